@@ -1,0 +1,45 @@
+# One command sets up and runs the pipelines (`make run`), one sets up and passes the tests (`make test`).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TINY_LLAMA := models/tiny-llama
+
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup run test test-fast plan validate benchmark clean
+
+setup: $(VENV)/.installed $(TINY_LLAMA)/config.json
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+$(TINY_LLAMA)/config.json: scripts/make_tiny_llama.py data/calibration.txt | $(VENV)/.installed
+	$(BIN)/python scripts/make_tiny_llama.py $(TINY_LLAMA)
+
+run: setup
+	$(BIN)/smelter run
+
+plan: setup
+	$(BIN)/smelter plan
+
+validate: setup
+	$(BIN)/smelter validate
+
+test: setup
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow"
+
+benchmark: setup
+	$(BIN)/python benchmarks/minilm_speedup.py
+	$(BIN)/python benchmarks/warm_rerun.py
+
+clean:
+	rm -rf artifacts/*/ mlruns mlflow.db
