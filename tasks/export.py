@@ -1,0 +1,77 @@
+"""HuggingFace model -> ONNX through Optimum's exporter, once per (model files, task, opset, toolchain).
+
+Optimum knows how to trace each architecture (KV-cache inputs, dynamic axes, attention masks), so
+smelter never writes its own torch.onnx.export. For text-generation-with-past the result is one
+decoder graph with past_key_values.{i}.key/value inputs: a past of length 0 is the prefill step,
+a longer past the decode step, so one engine serves both. Optimum's own check is skipped; the
+validate stage compares against PyTorch at every profile shape instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import onnx
+from optimum.exporters.onnx import main_export
+
+from tasks.models import load_tokenizer, model_source_digest
+from tasks.spec import PipelineSpec
+from tasks.store import ArtifactStore, StageResult, stage_key, tool_versions
+
+ONNX_FILE = "model.onnx"
+TOOLS = ("torch", "transformers", "optimum", "optimum-onnx", "onnx")
+
+
+def export_key(spec: PipelineSpec) -> str:
+    return stage_key("export", upstream=model_source_digest(spec),
+                     config={"task": spec.model.task, "opset": spec.export.opset}, tools=tool_versions(*TOOLS))
+
+
+def run_export(spec: PipelineSpec, store: ArtifactStore, force: bool = False) -> StageResult:
+    """Export the model to artifacts/<pipeline>/export/<key>/model.onnx with its tokenizer and config."""
+    key, opset = export_key(spec), spec.export.opset
+    if not force and (hit := store.lookup(spec.name, "export", key)):
+        return hit
+    source = model_source_digest(spec)
+    config = {"task": spec.model.task, "opset": opset}
+    with store.writing(spec.name, "export", key, inputs={"model_source": source}, config=config,
+                       tools=tool_versions(*TOOLS)) as w:
+        _export(spec, w.dir, opset)
+        load_tokenizer(spec).save_pretrained(w.dir)
+        w.outputs.update(describe_onnx(w.dir / ONNX_FILE) | {"task": spec.model.task, "model_source": source})
+    return w.result
+
+
+def _export(spec: PipelineSpec, out_dir: Path, opset: int) -> None:
+    model_dir = spec.model_dir
+    if model_dir is not None:
+        source: dict[str, Any] = {"model_name_or_path": str(model_dir), "local_files_only": True}
+    else:
+        source = {"model_name_or_path": spec.model.id, "revision": spec.model.revision}
+    main_export(**source, output=out_dir, task=spec.model.task, opset=opset, device="cpu",
+                do_validation=False, library_name="transformers")
+    if not (out_dir / ONNX_FILE).is_file():
+        produced = sorted(p.name for p in out_dir.glob("*.onnx"))
+        raise RuntimeError(f"pipeline {spec.name}: Optimum export of task {spec.model.task} wrote {produced}, "
+                           f"expected a single {ONNX_FILE}")
+
+
+def _tensor_facts(value: onnx.ValueInfoProto) -> tuple[dict[str, Any], dict[str, str]]:
+    tensor = value.type.tensor_type
+    dims = [d.dim_param if d.dim_param else d.dim_value for d in tensor.shape.dim]
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
+    return {"dtype": dtype, "shape": dims}, {str(i): d for i, d in enumerate(dims) if isinstance(d, str)}
+
+
+def describe_onnx(path: Path) -> dict[str, Any]:
+    """Opset, input/output names, dtypes, shapes and dynamic axes, read from the exported graph itself."""
+    model = onnx.load(str(path), load_external_data=False)
+    facts: dict[str, Any] = {"inputs": {}, "outputs": {}, "dynamic_axes": {}}
+    facts["opset"] = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    for kind, values in (("inputs", model.graph.input), ("outputs", model.graph.output)):
+        for value in values:
+            facts[kind][value.name], axes = _tensor_facts(value)
+            if axes:
+                facts["dynamic_axes"][value.name] = axes
+    return facts

@@ -1,0 +1,56 @@
+"""The source model: its tokenizer, its PyTorch reference, and its identity for cache keys.
+
+A local directory (model.path) wins over the hub id, and is read with local_files_only so an
+offline machine never waits on the network.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from tasks.spec import PipelineSpec
+from tasks.store import tree_digest
+
+_AUTO_CLASSES = {
+    "feature-extraction": AutoModel,
+    "text-classification": AutoModelForSequenceClassification,
+    "text-generation": AutoModelForCausalLM,
+    "text-generation-with-past": AutoModelForCausalLM,
+}
+
+
+def _source(spec: PipelineSpec) -> tuple[str, dict[str, Any]]:
+    """What from_pretrained reads, and how: the local dir offline, or the hub id at its revision."""
+    model_dir = spec.model_dir
+    if model_dir is not None:
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"pipeline {spec.name}: model.path {model_dir} has no config.json")
+        return str(model_dir), {"local_files_only": True}
+    return spec.model.id, {"revision": spec.model.revision}
+
+
+def load_tokenizer(spec: PipelineSpec) -> Any:
+    """The model's tokenizer; decoders without a pad token pad with eos so batches can be padded."""
+    source, kwargs = _source(spec)
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    if spec.model.is_decoder and tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_reference(spec: PipelineSpec) -> torch.nn.Module:
+    """The fp32 PyTorch model on CPU in eval mode: the ground truth every engine is compared to."""
+    source, kwargs = _source(spec)
+    model = _AUTO_CLASSES[spec.model.task].from_pretrained(source, dtype=torch.float32, **kwargs)
+    return model.to("cpu").eval()
+
+
+def model_source_digest(spec: PipelineSpec) -> str:
+    """The model's identity: a hash of the local files, or the pinned hub id and revision."""
+    model_dir = spec.model_dir
+    if model_dir is not None:
+        return tree_digest(model_dir)
+    return f"hub:{spec.model.id}@{spec.model.revision}"

@@ -1,0 +1,300 @@
+"""Precision lives in the graph: the exported ONNX rewritten so its types say fp32, fp16 or int8.
+
+model.onnx is backend-neutral: ONNX Runtime runs it on a CPU (so a quantized model's accuracy is
+measurable anywhere) and TensorRT builds it strongly typed. For int8 that means TensorRT's Q/DQ
+dialect (symmetric S8, per-channel weights, float bias), linted before it is written. That graph
+is slow on ONNX Runtime's x86 kernels, so int8 also writes model.cpu.onnx: the graph fused the
+way ONNX Runtime fuses it, then quantized the way its CPU kernels are fast (dynamic, or U8S8 QDQ).
+Calibration runs once, on real text, and calibration.json serves both graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    QuantFormat,
+    QuantType,
+    quantize_dynamic,
+    quantize_static,
+)
+from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+from onnxruntime.transformers.float16 import convert_float_to_float16
+
+from tasks import inputs, models
+from tasks.qdq_lint import check_qdq
+from tasks.spec import PipelineSpec
+from tasks.store import ArtifactStore, StageResult, file_digest, stage_key, tool_versions
+
+STAGE = "precision"
+TOOLS = ("onnx", "onnxruntime")
+MODEL_FILE = "model.onnx"
+CPU_MODEL_FILE = "model.cpu.onnx"
+CALIBRATION_FILE = "calibration.json"
+EXTERNAL_DATA_THRESHOLD = 1 << 30
+
+QUANTIZED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+CPU_DYNAMIC_OP_TYPES = QUANTIZED_OP_TYPES + ("Attention",)
+CALIBRATION_METHODS = {
+    "minmax": CalibrationMethod.MinMax,
+    "entropy": CalibrationMethod.Entropy,
+    "percentile": CalibrationMethod.Percentile,
+}
+FORMATS = {"fp32": "passthrough", "fp16": "cast-fp16", "int8": "qdq-s8-tensorrt"}
+
+
+def precision_key(export_result: StageResult, spec: PipelineSpec, precision: str) -> str:
+    """Export key + precision; for int8 also the quantization, calibration config and data digest."""
+    return stage_key(STAGE, upstream={"export": export_result.key}, config=_config(spec, precision),
+                     tools=tool_versions(*TOOLS))
+
+
+def _config(spec: PipelineSpec, precision: str) -> dict[str, Any]:
+    config: dict[str, Any] = {"precision": precision, "format": FORMATS.get(precision)}
+    if precision == "int8":
+        config |= {"quantization": spec.quantization, "calibration": spec.calibration,
+                   "calibration_data_sha256": file_digest(spec.resolve(spec.calibration.data)),
+                   "calibration_past": _calibration_past(spec), "op_types": list(QUANTIZED_OP_TYPES)}
+    return config
+
+
+def run_precision(spec: PipelineSpec, export_result: StageResult, precision: str, store: ArtifactStore,
+                  force: bool = False) -> StageResult:
+    """Write the graph for one precision (cached by precision_key)."""
+    if precision not in FORMATS:
+        raise ValueError(f"pipeline {spec.name}: precision {precision!r} has no graph rewrite here; "
+                         f"supported: {', '.join(FORMATS)} (bf16 is not: ONNX Runtime's CPU kernels cannot "
+                         "run a bf16 graph, so its accuracy could not be checked before a GPU build)")
+    key = precision_key(export_result, spec, precision)
+    if not force and (hit := store.lookup(spec.name, STAGE, key)):
+        return hit
+    source = export_result.file(MODEL_FILE)
+    if not source.is_file():
+        raise FileNotFoundError(f"pipeline {spec.name}: export output {source} is missing")
+    config = _config(spec, precision)
+    with store.writing(spec.name, STAGE, key, inputs={"export": export_result.key}, config=config,
+                       tools=tool_versions(*TOOLS)) as w:
+        if precision == "fp32":
+            _save(onnx.load(str(source)), w.dir / MODEL_FILE)
+            w.outputs.update(_outputs(precision))
+        elif precision == "fp16":
+            _save(to_fp16(onnx.load(str(source))), w.dir / MODEL_FILE)
+            w.outputs.update(_outputs(precision))
+        else:
+            w.outputs.update(_int8(spec, source, w.dir))
+    return w.result
+
+
+def _outputs(precision: str, **extra: Any) -> dict[str, Any]:
+    return {"precision": precision, "format": FORMATS[precision], "calibration": {}, "excluded_nodes": [],
+            "lint": {}} | extra
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    """Weights inline for small models; one external data file beside the graph past 1 GiB."""
+    large = sum(len(t.raw_data) for t in model.graph.initializer) > EXTERNAL_DATA_THRESHOLD
+    onnx.save_model(model, str(path), save_as_external_data=large, all_tensors_to_one_file=True,
+                    location=f"{path.name}.data")
+
+
+def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """float16 weights and compute, with graph inputs/outputs kept in their original types.
+
+    Keeping the IO types means every consumer (accuracy, benchmark, each backend) feeds the
+    same int64 ids and reads float32 outputs, whatever the precision inside.
+    """
+    return convert_float_to_float16(model, keep_io_types=True)
+
+
+class TextCalibrationReader(CalibrationDataReader):
+    """Calibration feeds made from real text; ranges are only as realistic as the text is."""
+
+    def __init__(self, batches: list[dict[str, np.ndarray]]):
+        self._batches = batches
+        self._next = iter(batches)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._next, None)
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+
+def _calibration_past(spec: PipelineSpec) -> int:
+    """Decoders with a KV cache calibrate at the optimization profile's typical past length."""
+    return spec.profiles[0].past[1] if spec.model.has_past and spec.profiles[0].past else 0
+
+
+def calibration_batches(spec: PipelineSpec, input_names: list[str]) -> list[dict[str, np.ndarray]]:
+    """spec.calibration.samples lines of the calibration text, tokenized into [batch_size, seq_len] feeds."""
+    calib = spec.calibration
+    texts = inputs.read_texts(spec.resolve(calib.data), limit=calib.samples)
+    tokenizer = models.load_tokenizer(spec)
+    reference = models.load_reference(spec) if spec.model.is_decoder else None
+    batches = []
+    for start in range(0, len(texts), calib.batch_size):
+        chunk = texts[start:start + calib.batch_size]
+        if reference is not None:
+            batches.append(inputs.decoder_feeds(tokenizer, reference, chunk, len(chunk), calib.seq_len,
+                                                _calibration_past(spec), input_names))
+        else:
+            batches.append(inputs.encoder_feeds(tokenizer, chunk, len(chunk), calib.seq_len, input_names))
+    return batches
+
+
+def excluded_nodes(model: onnx.ModelProto, spec: PipelineSpec) -> list[str]:
+    """Nodes kept in float: names matching quantization.exclude_nodes globs, and exclude_op_types.
+
+    A glob that matches nothing is an error: a typo would otherwise quantize the very layer the
+    user meant to protect, and only show up as an accuracy gate failure much later.
+    """
+    quant = spec.quantization
+    names = [node.name for node in model.graph.node]
+    excluded = {node.name for node in model.graph.node if node.op_type in quant.exclude_op_types}
+    for pattern in quant.exclude_nodes:
+        matched = fnmatch.filter(names, pattern)
+        if not matched:
+            sample = ", ".join(n for n in names if n)[:300]
+            raise ValueError(f"pipeline {spec.name}: quantization.exclude_nodes: {pattern!r} matches no node of "
+                             f"the exported graph; node names look like: {sample}")
+        excluded.update(matched)
+    return sorted(excluded)
+
+
+def fused_exclusions(original: onnx.ModelProto, fused: onnx.ModelProto, excluded: Iterable[str]) -> list[str]:
+    """The nodes of a fused graph that stand for the excluded nodes of the original graph.
+
+    Fusion renames and merges nodes, so a name glob written against the exported graph may match
+    nothing after it. A fused node inherits an exclusion when it kept the excluded node's name,
+    or consumes the excluded node's weight, or produces the first tensor downstream of the
+    excluded node that survived fusion (fused subgraphs keep their final output's name, since
+    the rest of the graph still reads it).
+    """
+    fused_names = {node.name for node in fused.graph.node}
+    fused_weights = {init.name for init in fused.graph.initializer}
+    weight_users: dict[str, set[str]] = {}
+    fused_producer: dict[str, str] = {}
+    for node in fused.graph.node:
+        for name in node.input:
+            if name in fused_weights:
+                weight_users.setdefault(name, set()).add(node.name)
+        for name in node.output:
+            fused_producer[name] = node.name
+    original_nodes = {node.name: node for node in original.graph.node}
+    original_consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in original.graph.node:
+        for name in node.input:
+            original_consumers.setdefault(name, []).append(node)
+    mapped: set[str] = set()
+    for name in excluded:
+        node = original_nodes[name]
+        if name in fused_names:
+            mapped.add(name)
+            continue
+        users = [weight_users[w] for w in node.input if w in weight_users]
+        if users:
+            mapped.update(*users)
+            continue
+        mapped.update(_absorbing_nodes(node, original_consumers, fused_producer))
+    return sorted(mapped)
+
+
+def _absorbing_nodes(node: onnx.NodeProto, consumers: dict[str, list[onnx.NodeProto]],
+                     fused_producer: dict[str, str]) -> set[str]:
+    """Producers, in the fused graph, of the first tensors after `node` that survived fusion."""
+    found: set[str] = set()
+    pending, seen = list(node.output), set()
+    while pending:
+        tensor = pending.pop()
+        if tensor in seen:
+            continue
+        seen.add(tensor)
+        if tensor in fused_producer:
+            found.add(fused_producer[tensor])
+            continue
+        for consumer in consumers.get(tensor, []):
+            pending.extend(consumer.output)
+    return found
+
+
+def fuse_for_cpu(source: Path, target: Path) -> None:
+    """ONNX Runtime's own graph fusions (extended level), saved so quantization sees the fused graph.
+
+    Quantizing after fusion is what makes int8 fast on x86: the integer kernels then cover
+    whole fused ops instead of Q/DQ pairs around every small op that fusion can no longer merge.
+    Symbolic shape inference then types the outputs of the fused contrib ops (BiasGelu, ...; decoders need
+    guess_output_rank for their rotary and mask subgraphs);
+    the quantizer silently leaves an untyped tensor in float.
+    """
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(target)
+    ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+    fused = onnx.load(str(target))
+    with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):  # on failure it dumps the model in cwd
+        typed = SymbolicShapeInference.infer_shapes(fused, auto_merge=True, guess_output_rank=True)
+    _save(typed, target)
+
+
+def _tensorrt_options(model: onnx.ModelProto) -> dict[str, Any]:
+    """quantize_static options that yield TensorRT's dialect: symmetric S8, float bias, Q/DQ on inputs only."""
+    return {"QuantizeBias": False, "ActivationSymmetric": True, "WeightSymmetric": True,
+            "AddQDQPairToWeight": True, "DedicatedQDQPair": False, "ForceQuantizeNoInputCheck": True,
+            "OpTypesToExcludeOutputQuantization": sorted({n.op_type for n in model.graph.node}),
+            "QDQOpTypePerChannelSupportToAxis": {"Conv": 0, "ConvTranspose": 1}}
+
+
+def _int8(spec: PipelineSpec, source: Path, out_dir: Path) -> dict[str, Any]:
+    model = onnx.load(str(source))
+    excluded = excluded_nodes(model, spec)
+    initializers = {init.name for init in model.graph.initializer}
+    input_names = [i.name for i in model.graph.input if i.name not in initializers]
+    batches = calibration_batches(spec, input_names)
+    method = CALIBRATION_METHODS[spec.calibration.method]
+    op_types = [t for t in QUANTIZED_OP_TYPES if t not in spec.quantization.exclude_op_types]
+    calibration_path = out_dir / CALIBRATION_FILE
+    quantize_static(source, out_dir / MODEL_FILE, TextCalibrationReader(batches), quant_format=QuantFormat.QDQ,
+                    op_types_to_quantize=op_types, per_channel=True, activation_type=QuantType.QInt8,
+                    weight_type=QuantType.QInt8, nodes_to_exclude=excluded, calibrate_method=method,
+                    extra_options=_tensorrt_options(model), calibration_cache_path=calibration_path)
+    lint = check_qdq(onnx.load(str(out_dir / MODEL_FILE)), f"{spec.name} int8 {MODEL_FILE}")
+    cpu_excluded = _cpu_int8(spec, model, source, out_dir, excluded,
+                             lambda: TextCalibrationReader(batches), method)
+    calib = spec.calibration
+    return _outputs("int8", excluded_nodes=excluded, lint={"passed": True, **lint},
+                    calibration={"data": calib.data, "sha256": file_digest(spec.resolve(calib.data)),
+                                 "samples": calib.samples, "method": calib.method, "seq_len": calib.seq_len,
+                                 "batch_size": calib.batch_size, "batches": len(batches)},
+                    cpu_format=spec.quantization.cpu_format, cpu_excluded_nodes=cpu_excluded)
+
+
+def _cpu_int8(spec: PipelineSpec, model: onnx.ModelProto, source: Path, out_dir: Path, excluded: list[str],
+              reader: Callable[[], TextCalibrationReader], method: CalibrationMethod) -> list[str]:
+    """model.cpu.onnx: the fused graph, int8 in the form ONNX Runtime's x86 kernels run fast."""
+    skip_types = set(spec.quantization.exclude_op_types)
+    with tempfile.TemporaryDirectory(prefix="smelter-fuse-") as tmp:
+        fused_path = Path(tmp) / "fused.onnx"
+        fuse_for_cpu(source, fused_path)
+        fused = onnx.load(str(fused_path))
+        cpu_excluded = fused_exclusions(model, fused, excluded)
+        common = {"per_channel": True, "weight_type": QuantType.QInt8, "nodes_to_exclude": cpu_excluded}
+        if spec.quantization.cpu_format == "dynamic":
+            quantize_dynamic(fused_path, out_dir / CPU_MODEL_FILE,
+                             op_types_to_quantize=[t for t in CPU_DYNAMIC_OP_TYPES if t not in skip_types], **common)
+        else:
+            quantize_static(fused_path, out_dir / CPU_MODEL_FILE, reader(), quant_format=QuantFormat.QDQ,
+                            op_types_to_quantize=[t for t in QUANTIZED_OP_TYPES if t not in skip_types],
+                            activation_type=QuantType.QUInt8, calibrate_method=method,
+                            calibration_cache_path=out_dir / CALIBRATION_FILE, **common)
+    return cpu_excluded
+

@@ -1,0 +1,386 @@
+"""Everything smelter records in MLflow: runs per pipeline and candidate, and the model registry.
+
+The only module that imports mlflow, so metric, tag and artifact names are decided in one place
+and stay the same every run (the MLflow compare view lines up only when names never drift).
+MLflow's own configuration applies: MLFLOW_TRACKING_URI when set, else MLflow's default store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pandas as pd
+from matplotlib.figure import Figure
+from mlflow.entities import Param
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from tasks.outcome import CandidateOutcome
+from tasks.spec import PipelineSpec
+from tasks.store import MANIFEST, StageResult
+
+GATE_POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "throughput", "speedup_vs_reference")
+POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput", "tokens_per_s",
+                 "reference_p50_ms", "reference_p99_ms", "reference_throughput", "speedup_vs_reference")
+DECODE_METRICS = ("p50_ms", "p99_ms", "reference_p50_ms", "speedup_vs_reference")
+BUILD_METRICS = ("build_seconds", "engine_bytes")
+REPORT_FILES = {"validate": ("report.json",), "accuracy": ("per_sample.csv",),
+                "benchmark": ("samples.csv", "latency.png")}
+MAX_PARAM_CHARS = 6000
+MAX_TAG_CHARS = 8000
+
+
+def experiment_name(pipeline: str) -> str:
+    return f"smelter/{pipeline}"
+
+
+def registered_model_name(pipeline: str, target: str) -> str:
+    return f"{pipeline}-{target}"
+
+
+def _experiment_id(client: MlflowClient, pipeline: str) -> str:
+    """The pipeline's experiment, created on first use (tolerating a concurrent creator)."""
+    name = experiment_name(pipeline)
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name, tags={"pipeline": pipeline})
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _model_tag(spec: PipelineSpec) -> str:
+    return spec.model.id or spec.model.path or ""
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    """Nested config as dotted MLflow params; lists stay whole (as JSON) so a param is one setting."""
+    if isinstance(value, dict):
+        flat: dict[str, str] = {}
+        for key, inner in value.items():
+            flat |= flatten(inner, f"{prefix}.{key}" if prefix else str(key))
+        return flat
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return {prefix: text[:MAX_PARAM_CHARS]}
+
+
+@contextlib.contextmanager
+def pipeline_run(spec: PipelineSpec, run_name: str, params: dict[str, Any]) -> Iterator[str]:
+    """One parent run per pipeline run; candidates nest under the yielded run id.
+
+    The run is not made the thread's active run, so candidates may be logged from any thread
+    (Prefect task runners) or process. It ends FINISHED, or FAILED when the body raises.
+    """
+    client = MlflowClient()
+    tags = {"model": _model_tag(spec), "pipeline": spec.name}
+    run_id = client.create_run(_experiment_id(client, spec.name), run_name=run_name, tags=tags).info.run_id
+    status = "FAILED"
+    try:
+        flat = flatten(spec.model_dump(mode="json")) | flatten(params)
+        client.log_batch(run_id, params=[Param(k, v) for k, v in flat.items()])
+        yield run_id
+        status = "FINISHED"
+    finally:
+        client.set_terminated(run_id, status)
+
+
+def candidate_metrics(outcome: CandidateOutcome) -> dict[str, float]:
+    """The candidate's metrics under the names MLflow, the registry and the webhook share."""
+    metrics: dict[str, float] = {}
+    if accuracy := outcome.stages.get("accuracy"):
+        metrics |= {f"accuracy.{k}": v for k, v in accuracy.outputs.get("metrics", {}).items()}
+    if benchmark := outcome.stages.get("benchmark"):
+        outputs = benchmark.outputs
+        gate_point = outputs.get("gate_point") or {}
+        metrics |= {k: gate_point[k] for k in GATE_POINT_METRICS if k in gate_point}
+        for point in outputs.get("points", []):
+            prefix = f"b{point['batch']}_s{point['seq']}"
+            metrics |= {f"{prefix}.{k}": point[k] for k in POINT_METRICS if k in point}
+        for step in outputs.get("decode", []):
+            prefix = f"decode_b{step['batch']}_p{step['past']}"
+            metrics |= {f"{prefix}.{k}": step[k] for k in DECODE_METRICS if k in step}
+    if build := outcome.stages.get("build"):
+        metrics |= {k: build.outputs[k] for k in BUILD_METRICS if k in build.outputs}
+    metrics |= outcome.metrics
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def key_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The few numbers a deploy decision reads: accuracy, gate-point speed, engine size."""
+    keep = set(GATE_POINT_METRICS) | {"engine_bytes"}
+    return {k: v for k, v in metrics.items() if k in keep or k.startswith("accuracy.")}
+
+
+def _arch(spec: PipelineSpec, outcome: CandidateOutcome) -> str:
+    target = spec.target(outcome.candidate.target)
+    if target.arch:
+        return target.arch
+    build = outcome.stages.get("build")
+    hardware = build.outputs.get("hardware", {}) if build else {}
+    host = build.manifest.get("host", {}) if build else {}
+    return f"cpu-{hardware.get('machine') or host.get('machine') or platform.machine()}"
+
+
+def candidate_tags(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, str]:
+    candidate = outcome.candidate
+    target = spec.target(candidate.target)
+    build = outcome.stages.get("build")
+    tags = {
+        "candidate": candidate.name, "pipeline": candidate.pipeline, "model": _model_tag(spec),
+        "precision": candidate.precision, "target": candidate.target, "arch": _arch(spec, outcome),
+        "backend": build.outputs.get("backend", target.backend) if build else target.backend,
+        "gate": "passed" if outcome.passed_gates else "failed",
+        "gate_reasons": "; ".join(outcome.gate_reasons), "status": outcome.status,
+    }
+    if build:
+        tags |= {"backend_version": str(build.outputs.get("backend_version", "")), "cache_key": build.key}
+    if outcome.error:
+        tags |= {"error": outcome.error, "failed_stage": outcome.failed_stage or ""}
+    return {k: v[:MAX_TAG_CHARS] for k, v in tags.items()}
+
+
+def candidate_params(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, str]:
+    """Precision and target config: what differs between sibling candidates in the compare view."""
+    precision: dict[str, Any] = {"name": outcome.candidate.precision}
+    if outcome.candidate.precision == "int8":
+        precision |= {"quantization": spec.quantization.model_dump(mode="json"),
+                      "calibration": spec.calibration.model_dump(mode="json")}
+    target = spec.target(outcome.candidate.target).model_dump(mode="json")
+    return flatten({"precision": precision, "target": target})
+
+
+def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutcome) -> str:
+    """A child run holding everything known about one candidate, even when it failed midway.
+
+    Returns the child run id. The run ends FAILED for a failed candidate so the UI shows it red.
+    """
+    experiment_id = _experiment_id(MlflowClient(), spec.name)
+    metrics = candidate_metrics(outcome)
+    run = mlflow.start_run(experiment_id=experiment_id, run_name=outcome.candidate.name,
+                           parent_run_id=parent_run_id, nested=True, tags=candidate_tags(spec, outcome))
+    status = "FAILED"
+    try:
+        mlflow.log_params(candidate_params(spec, outcome))
+        mlflow.log_metrics(metrics)
+        _log_stage_files(outcome.stages)
+        _log_tables(outcome.stages)
+        if figure := _latency_figure(outcome.stages.get("benchmark")):
+            mlflow.log_figure(figure, "plots/latency.png")
+        mlflow.log_text(engine_card(spec, outcome, metrics), "engine_card.md")
+        _log_datasets(spec, outcome)
+        status = "FAILED" if outcome.status == "failed" else "FINISHED"
+    finally:
+        mlflow.end_run(status)
+    return run.info.run_id
+
+
+def _log_stage_files(stages: dict[str, StageResult]) -> None:
+    if build := stages.get("build"):
+        mlflow.log_artifacts(str(build.path), "engine")
+    for name, stage in stages.items():
+        if name == "build":
+            continue
+        for file in (MANIFEST, *REPORT_FILES.get(name, ())):
+            if stage.file(file).is_file():
+                mlflow.log_artifact(str(stage.file(file)), f"stages/{name}")
+
+
+def _log_tables(stages: dict[str, StageResult]) -> None:
+    accuracy, benchmark = stages.get("accuracy"), stages.get("benchmark")
+    if accuracy and accuracy.file("per_sample.csv").is_file():
+        mlflow.log_table(pd.read_csv(accuracy.file("per_sample.csv")), "tables/accuracy_per_sample.json")
+    if benchmark and benchmark.outputs.get("points"):
+        mlflow.log_table(pd.DataFrame(benchmark.outputs["points"]), "tables/benchmark_points.json")
+    if benchmark and benchmark.outputs.get("decode"):
+        mlflow.log_table(pd.DataFrame(benchmark.outputs["decode"]), "tables/benchmark_decode.json")
+    if benchmark and benchmark.file("samples.csv").is_file():
+        mlflow.log_table(pd.read_csv(benchmark.file("samples.csv")), "tables/benchmark_samples.json")
+
+
+def _latency_figure(benchmark: StageResult | None) -> Figure | None:
+    """Latency distributions per (batch, seq), engine beside the PyTorch reference.
+
+    Built without pyplot so logging never touches the process-wide matplotlib backend.
+    """
+    if benchmark is None or not benchmark.file("samples.csv").is_file():
+        return None
+    samples = pd.read_csv(benchmark.file("samples.csv"))
+    if samples.empty:
+        return None
+    groups = [(f"b{b} s{s}\n{engine}", ms.to_numpy())
+              for (b, s, engine), ms in samples.groupby(["batch", "seq", "engine"], sort=True)["ms"]]
+    figure = Figure(figsize=(max(4.0, 1.2 * len(groups)), 4))
+    axes = figure.subplots()
+    axes.boxplot([ms for _, ms in groups], showfliers=False)
+    axes.set_xticks(range(1, len(groups) + 1), [label for label, _ in groups])
+    axes.set_ylabel("latency (ms)")
+    axes.set_title(f"{benchmark.pipeline} latency per batch and sequence length")
+    figure.tight_layout()
+    return figure
+
+
+def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str, float]) -> str:
+    """A one-page summary someone deciding on a deploy reads before anything else."""
+    tags = candidate_tags(spec, outcome)
+    lines = [f"# {outcome.candidate.name}", "",
+             f"Status: **{outcome.status}**, gates {tags['gate']}", ""]
+    if outcome.error:
+        lines += [f"Error in stage `{outcome.failed_stage}`: {outcome.error}", ""]
+    lines += ["## Gates", "", "| gate | passed | reasons |", "|---|---|---|"]
+    lines += [f"| {g.gate} | {'yes' if g.passed else 'no'} | {'; '.join(g.reasons)} |" for g in outcome.gates]
+    lines += ["", "## Key metrics", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.6g} |" for k, v in sorted(key_metrics(metrics).items())]
+    lines += ["", "## Identity", "", "| key | value |", "|---|---|"]
+    lines += [f"| {k} | {tags[k]} |" for k in ("model", "precision", "target", "arch", "backend",
+                                               "backend_version", "cache_key") if k in tags]
+    lines += [f"| stage {name} | {stage.key} |" for name, stage in outcome.stages.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _log_datasets(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
+    """The real text this engine was calibrated and judged on, so a data change shows in the UI."""
+    uses = [("evaluation", spec.accuracy.data, spec.accuracy.samples)]
+    if outcome.candidate.precision == "int8":
+        uses.append(("calibration", spec.calibration.data, spec.calibration.samples))
+    for context, data, samples in uses:
+        path = spec.resolve(data)
+        if not path.is_file():
+            continue
+        lines = [line for line in path.read_text().splitlines() if line.strip()][:samples]
+        with warnings.catch_warnings():  # MLflow registers its local-file source twice and says so on every call
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            dataset = mlflow.data.from_pandas(pd.DataFrame({"text": lines}), source=str(path), name=path.name)
+        mlflow.log_input(dataset, context=context)
+
+
+def finish_candidate(run_id: str, outcome: CandidateOutcome) -> None:
+    """Record what promotion decided on the candidate's run."""
+    tags = {"status": outcome.status}
+    if outcome.model_name:
+        tags |= {"registered_model": outcome.model_name, "model_version": str(outcome.model_version)}
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
+def champion(spec: PipelineSpec, target_name: str) -> dict[str, Any] | None:
+    """The version holding the promotion alias for (pipeline, target), with its run's metrics."""
+    name = registered_model_name(spec.name, target_name)
+    try:
+        found = MlflowClient().get_model_version_by_alias(name, spec.promotion.alias)
+    except MlflowException as e:
+        if _alias_missing(e):
+            return None
+        raise
+    metrics = dict(MlflowClient().get_run(found.run_id).data.metrics)
+    return {"registered_model": name, "version": found.version, "run_id": found.run_id,
+            "candidate": found.tags.get("candidate"), "cache_key": found.tags.get("cache_key"),
+            "metrics": metrics, "tags": dict(found.tags)}
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    name: str
+    version: str
+    run_id: str
+    tags: dict[str, str]
+
+
+def _version(found) -> RegisteredVersion:
+    return RegisteredVersion(found.name, str(found.version), found.run_id, dict(found.tags))
+
+
+def _alias_missing(e: MlflowException) -> bool:
+    """MLflow's answer when the registered model, or only the alias, does not exist."""
+    return e.error_code == "RESOURCE_DOES_NOT_EXIST" or (
+        e.error_code == "INVALID_PARAMETER_VALUE" and "not found" in e.message)
+
+
+def ensure_registered_model(name: str, description: str, tags: dict[str, str]) -> bool:
+    """Create the registered model or refresh its description and tags; True when it was created."""
+    client = MlflowClient()
+    try:
+        client.create_registered_model(name, tags=tags, description=description)
+        return True
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    client.update_registered_model(name, description=description)
+    for key, value in tags.items():
+        client.set_registered_model_tag(name, key, value)
+    return False
+
+
+def delete_registered_model(name: str) -> None:
+    MlflowClient().delete_registered_model(name)
+
+
+def create_version(name: str, run_id: str, tags: dict[str, str], description: str = "") -> RegisteredVersion:
+    """A registry version whose files are the run's `engine` artifacts (a plain dir, not an MLflow model)."""
+    created = MlflowClient().create_model_version(name, source=f"runs:/{run_id}/engine", run_id=run_id,
+                                                  tags=tags, description=description)
+    return _version(created)
+
+
+def delete_version(name: str, version: str) -> None:
+    MlflowClient().delete_model_version(name, version)
+
+
+def alias_version(name: str, alias: str) -> str | None:
+    """The version an alias points to, or None when the model or the alias does not exist."""
+    try:
+        return str(MlflowClient().get_model_version_by_alias(name, alias).version)
+    except MlflowException as e:
+        if _alias_missing(e):
+            return None
+        raise
+
+
+def set_alias(name: str, alias: str, version: str) -> None:
+    MlflowClient().set_registered_model_alias(name, alias, version)
+
+
+def delete_alias(name: str, alias: str) -> None:
+    MlflowClient().delete_registered_model_alias(name, alias)
+
+
+def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, value)
+
+
+def delete_version_tag(name: str, version: str, key: str) -> None:
+    MlflowClient().delete_model_version_tag(name, version, key)
+
+
+def get_version(name: str, version: str) -> RegisteredVersion:
+    return _version(MlflowClient().get_model_version(name, version))
+
+
+def find_versions(name: str, tags: dict[str, str]) -> list[RegisteredVersion]:
+    """Versions of a registered model whose tags have these values, oldest first."""
+    clauses = [f"name = '{name}'"] + [f"tags.`{k}` = '{v}'" for k, v in tags.items()]
+    client, found, token = MlflowClient(), [], None
+    while True:
+        page = client.search_model_versions(" AND ".join(clauses), page_token=token)
+        found += [_version(v) for v in page]
+        token = page.token
+        if not token:
+            return sorted(found, key=lambda v: int(v.version))
+
+
+def log_directory(run_id: str, local_dir: Path, artifact_path: str) -> None:
+    """Attach a directory written after the run was logged (e.g. a Triton package) to that run."""
+    MlflowClient().log_artifacts(run_id, str(local_dir), artifact_path)

@@ -1,0 +1,185 @@
+"""ONNX Runtime vs the PyTorch reference, through Polygraphy's Comparator, at every profile shape.
+
+An export that is wrong only at the largest batch or the longest past still ships a broken
+engine, so the exported graph is compared with the model it came from on real text at the min,
+opt and max point of every profile, output by output, with per-output tolerances. A failure
+stops the pipeline before any engine is built, and leaves no artifact behind.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+from polygraphy import util
+from polygraphy.backend.base import BaseRunner
+from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+from polygraphy.common import TensorMetadata
+from polygraphy.comparator import Comparator, SimpleCompareFunc
+from polygraphy.comparator.compare import OutputCompareResult
+from polygraphy.logger import G_LOGGER
+
+from tasks.inputs import decoder_feeds, encoder_feeds, read_texts, reference_outputs
+from tasks.models import load_reference, load_tokenizer
+from tasks.spec import PipelineSpec
+from tasks.store import ArtifactStore, StageResult, file_digest, stage_key, tool_versions
+
+TOOLS = ("onnxruntime", "polygraphy", "torch", "transformers")
+REPORT = "report.json"
+ERROR_STAT = "elemwise"
+
+
+class ValidationFailed(Exception):
+    """The exported graph disagrees with PyTorch, or produced NaN/Inf; the message names output and point."""
+
+
+class TorchReferenceRunner(BaseRunner):
+    """The PyTorch reference as a Polygraphy runner, so the Comparator treats it like any engine."""
+
+    def __init__(self, model: torch.nn.Module, task: str, inputs: dict[str, dict[str, Any]],
+                 name: str = "pytorch-reference"):
+        """
+        Args:
+            model: the fp32 reference model in eval mode.
+            task: the export task; decides which outputs the model produces.
+            inputs: the export's input facts ({name: {"dtype", "shape"}}), which feeds are checked against.
+        """
+        super().__init__(name=name, prefix="pytorch-reference")
+        self._model = model
+        self._task = task
+        self._inputs = inputs
+
+    @util.check_called_by("get_input_metadata")
+    def get_input_metadata_impl(self) -> TensorMetadata:
+        meta = TensorMetadata()
+        for name, facts in self._inputs.items():
+            meta.add(name, dtype=np.dtype(facts["dtype"]),
+                     shape=[d if isinstance(d, int) else None for d in facts["shape"]])
+        return meta
+
+    @util.check_called_by("infer")
+    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        start = time.time()
+        outputs = reference_outputs(self._model, dict(feed_dict), self._task)
+        self.inference_time = time.time() - start
+        return OrderedDict(outputs)
+
+
+def validate_key(export_result: StageResult, spec: PipelineSpec) -> str:
+    return stage_key("validate", upstream=export_result.key, config=_config(spec), tools=tool_versions(*TOOLS))
+
+
+def _config(spec: PipelineSpec) -> dict[str, Any]:
+    data = spec.resolve(spec.accuracy.data)
+    return {"validation": spec.validation, "profiles": spec.profiles, "error_stat": ERROR_STAT,
+            "data": {"path": spec.accuracy.data, "sha256": file_digest(data)}}
+
+
+def _shape_points(spec: PipelineSpec) -> dict[str, dict[str, int]]:
+    """min/opt/max of every profile (named profile<i>.<point> when there are several).
+
+    Decoders with a KV cache also get a `prefill` point (empty past, longest seq): profiles start
+    at past >= 1, yet the first step of every generation runs with no past at all.
+    """
+    single = len(spec.profiles) == 1
+    points = {(point if single else f"profile{i}.{point}"): shape
+              for i, profile in enumerate(spec.profiles) for point, shape in profile.shapes().items()}
+    if spec.model.has_past:
+        first = spec.profiles[0]
+        points["prefill"] = {"batch": first.batch[1], "seq": first.seq[2], "past": 0}
+    return points
+
+
+def _feeds(spec: PipelineSpec, tokenizer: Any, reference: torch.nn.Module, texts: list[str],
+           shape: dict[str, int], input_names: list[str]) -> dict[str, np.ndarray]:
+    if spec.model.is_decoder:
+        return decoder_feeds(tokenizer, reference, texts, shape["batch"], shape["seq"], shape.get("past", 0),
+                             input_names)
+    return encoder_feeds(tokenizer, texts, shape["batch"], shape["seq"], input_names)
+
+
+def _nan_inf(run_results: Any, points: list[str]) -> list[str]:
+    """Which runner/output/point produced NaN or Inf (Polygraphy's validate only says whether any did)."""
+    found = []
+    for runner_name, iterations in run_results:
+        for point, iteration in zip(points, iterations):
+            for output, value in iteration.items():
+                if not np.all(np.isfinite(value)):
+                    found.append(f"{output} at {point} ({runner_name}): NaN or Inf")
+    return found
+
+
+def _reference_output(name: str, _index: int, reference: Any) -> list[str]:
+    """Compare only what PyTorch produces (an export may add outputs the reference has no name for)."""
+    return [name] if name in reference else []
+
+
+def _stats(result: Any, atol: float, rtol: float) -> dict[str, Any]:
+    if not isinstance(result, OutputCompareResult):
+        return {"max_abs": None, "mean_abs": None, "median_abs": None, "max_rel": None, "atol": atol,
+                "rtol": rtol, "passed": False, "problem": "shape mismatch"}
+    return {"max_abs": result.max_absdiff, "mean_abs": result.mean_absdiff, "median_abs": result.median_absdiff,
+            "max_rel": result.max_reldiff, "atol": atol, "rtol": rtol, "passed": bool(result)}
+
+
+def _describe_failure(output: str, point: str, shape: dict[str, int], stats: dict[str, Any]) -> str:
+    where = f"output {output!r} at {point} shape {shape}"
+    if stats["max_abs"] is None:
+        return f"{where}: {stats['problem']}"
+    return (f"{where}: max_abs {stats['max_abs']:.3g}, mean_abs {stats['mean_abs']:.3g}, "
+            f"max_rel {stats['max_rel']:.3g} exceed atol {stats['atol']:g} / rtol {stats['rtol']:g}")
+
+
+def compare(spec: PipelineSpec, export_result: StageResult) -> dict[str, Any]:
+    """Run ONNX Runtime and PyTorch on the same real inputs at every shape point; the report, pass or fail."""
+    inputs = export_result.outputs["inputs"]
+    input_names = list(inputs)
+    tokenizer, reference = load_tokenizer(spec), load_reference(spec)
+    texts = read_texts(spec.resolve(spec.accuracy.data))
+    points = _shape_points(spec)
+    feeds = [_feeds(spec, tokenizer, reference, texts, shape, input_names) for shape in points.values()]
+    onnx_runner = OnnxrtRunner(SessionFromOnnx(str(export_result.file("model.onnx")), providers=["cpu"]),
+                               name="onnxruntime")
+    torch_runner = TorchReferenceRunner(reference, spec.model.task, inputs)
+    with G_LOGGER.verbosity(G_LOGGER.ERROR):
+        run_results = Comparator.run([onnx_runner, torch_runner], data_loader=feeds)
+        finite = Comparator.validate(run_results, check_nan=True, check_inf=True)
+        tolerances = {name: spec.validation.tolerance(name) for name in run_results[torch_runner.name][0]}
+        compare_func = SimpleCompareFunc(
+            atol={"": spec.validation.atol, **{name: t.atol for name, t in tolerances.items()}},
+            rtol={"": spec.validation.rtol, **{name: t.rtol for name, t in tolerances.items()}},
+            check_error_stat=ERROR_STAT, find_output_func=_reference_output)
+        accuracy = Comparator.compare_accuracy(run_results, compare_func=compare_func)
+    per_point = accuracy[0][(onnx_runner.name, torch_runner.name)]
+    outputs: dict[str, dict[str, Any]] = {}
+    for point, matches in zip(points, per_point):
+        for output, result in matches.items():
+            tol = tolerances[output]
+            outputs.setdefault(output, {})[point] = _stats(result, tol.atol, tol.rtol)
+    nan_inf = [] if finite else _nan_inf(run_results, list(points))
+    failures = [_describe_failure(output, point, points[point], stats)
+                for output, by_point in sorted(outputs.items()) for point, stats in by_point.items()
+                if not stats["passed"]]
+    return {"passed": not failures and not nan_inf, "points": points, "outputs": outputs, "nan_inf": nan_inf,
+            "failures": nan_inf + failures}
+
+
+def run_validate(spec: PipelineSpec, export_result: StageResult, store: ArtifactStore,
+                 force: bool = False) -> StageResult:
+    """Compare the export with PyTorch; raise ValidationFailed (writing nothing) when it disagrees."""
+    key = validate_key(export_result, spec)
+    if not force and (hit := store.lookup(spec.name, "validate", key)):
+        return hit
+    report = compare(spec, export_result)
+    if not report["passed"]:
+        raise ValidationFailed(f"pipeline {spec.name}: the ONNX export {export_result.key} does not match PyTorch:\n  "
+                               + "\n  ".join(report["failures"]))
+    with store.writing(spec.name, "validate", key, inputs={"export": export_result.key}, config=_config(spec),
+                       tools=tool_versions(*TOOLS)) as w:
+        (w.dir / REPORT).write_text(json.dumps(report, indent=2))
+        w.outputs.update({name: report[name] for name in ("passed", "points", "outputs", "nan_inf")})
+    return w.result

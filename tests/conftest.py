@@ -1,0 +1,23 @@
+"""Shared fixtures: tiny models, a real mlflow server, a webhook receiver and one Prefect test server."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+pytest_plugins = ["tests.fixtures.models", "tests.fixtures.servers"]
+
+
+@pytest.fixture(scope="session")
+def prefect_server() -> Iterator[None]:
+    """One real Prefect server for the session (started only by tests that run flows)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

@@ -1,0 +1,109 @@
+"""The ONNX Runtime backend: an offline-optimized model tied to this CPU, loaded back as a runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from tasks.backends.base import BackendUnavailable, get_backend
+from tasks.backends.onnxruntime import SIDECAR, OnnxRuntimeBackend, cpu_isa
+from tasks.spec import TargetSpec
+
+CPU = TargetSpec(name="cpu", backend="onnxruntime", threads=1)
+
+
+def write_mlp(path: Path, *, external_data: bool = False) -> Path:
+    """y = Relu(x @ W + b) @ W2, dynamic batch: MatMul+Add is a pattern ORT fuses when optimizing."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "W"),
+               numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "b"),
+               numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32), "W2")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["hb"]),
+             helper.make_node("Relu", ["hb"], ["r"]), helper.make_node("MatMul", ["r", "W2"], ["y"])]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(path), save_as_external_data=external_data, all_tensors_to_one_file=True,
+              location=path.name + ".weights", size_threshold=0)
+    return path
+
+
+def built(tmp_path: Path, target: TargetSpec = CPU, *, external_data: bool = False) -> tuple[Path, Path]:
+    source = write_mlp(tmp_path / "model.onnx", external_data=external_data)
+    out = tmp_path / "engine"
+    out.mkdir()
+    OnnxRuntimeBackend().build(source, target, [], out, tmp_path / "cache")
+    return source, out
+
+
+def test_build_saves_an_optimized_model_and_records_how(tmp_path: Path) -> None:
+    source, out = built(tmp_path)
+    optimized = onnx.load(str(out / "model.onnx"))
+    assert [n.op_type for n in optimized.graph.node] != [n.op_type for n in onnx.load(str(source)).graph.node]
+    sidecar = json.loads((out / SIDECAR).read_text())
+    assert sidecar["hardware"] == cpu_isa()
+    assert sidecar["hardware"]["arch"].startswith("cpu-")
+    assert sidecar["session_options"]["graph_optimization_level"] == "ORT_ENABLE_ALL"
+    assert sidecar["session_options"]["intra_op_num_threads"] == 1
+    assert sidecar["providers"] == ["CPUExecutionProvider"]
+    assert sidecar["engine_bytes"] == (out / "model.onnx").stat().st_size
+
+
+def test_runner_matches_the_source_model(tmp_path: Path) -> None:
+    source, out = built(tmp_path)
+    x = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
+    expected = ReferenceEvaluator(str(source)).run(None, {"x": x})[0]
+    with OnnxRuntimeBackend().load(out, CPU) as runner:
+        assert runner.input_names == ["x"] and runner.output_names == ["y"]
+        got = runner.infer({"x": x, "attention_mask": np.ones((3, 4), dtype=np.int64)})["y"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_runner_names_a_missing_input(tmp_path: Path) -> None:
+    _, out = built(tmp_path)
+    with OnnxRuntimeBackend().load(out, CPU) as runner, pytest.raises(ValueError, match=r"missing inputs \['x'\]"):
+        runner.infer({"input_ids": np.zeros((1, 4), dtype=np.int64)})
+
+
+def test_engine_optimized_for_another_cpu_is_refused(tmp_path: Path) -> None:
+    _, out = built(tmp_path)
+    sidecar = json.loads((out / SIDECAR).read_text())
+    sidecar["hardware"]["isa"] = ["amx_tile", "amx_int8"]
+    (out / SIDECAR).write_text(json.dumps(sidecar))
+    with pytest.raises(BackendUnavailable, match="rebuild it here"):
+        OnnxRuntimeBackend().load(out, CPU)
+
+
+def test_model_with_external_data_builds_and_runs(tmp_path: Path) -> None:
+    source, out = built(tmp_path, external_data=True)
+    assert (out / "model.onnx.data").is_file()
+    x = np.ones((2, 16), dtype=np.float32)
+    with OnnxRuntimeBackend().load(out, CPU) as runner:
+        np.testing.assert_allclose(runner.infer({"x": x})["y"], ReferenceEvaluator(str(source)).run(None, {"x": x})[0],
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_optimization_level_zero_keeps_the_graph(tmp_path: Path) -> None:
+    source, out = built(tmp_path, CPU.model_copy(update={"optimization_level": 0}))
+    assert json.loads((out / SIDECAR).read_text())["session_options"]["graph_optimization_level"] == "ORT_DISABLE_ALL"
+    assert [n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node] == ["MatMul", "Add", "Relu", "MatMul"]
+
+
+def test_int8_cpu_graph_is_preferred_when_present(tmp_path: Path) -> None:
+    backend = get_backend("onnxruntime")
+    (tmp_path / "model.onnx").write_bytes(b"")
+    assert backend.source_model(tmp_path) == tmp_path / "model.onnx"
+    (tmp_path / "model.cpu.onnx").write_bytes(b"")
+    assert backend.source_model(tmp_path) == tmp_path / "model.cpu.onnx"
+
+
+def test_cpu_isa_reads_arm_features(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd asimddp sve i8mm bf16\nCPU part\t: 0xd40\n")
+    assert cpu_isa(cpuinfo)["isa"] == ["asimd", "asimddp", "sve", "i8mm", "bf16"]

@@ -1,0 +1,84 @@
+"""The build stage: one engine per (precision, target), cached by what the engine depends on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tasks.backends.base import get_backend
+from tasks.build import BuildUnavailable, build_key, open_engine, run_build
+from tasks.spec import PipelineSpec
+from tasks.store import ArtifactStore, StageResult
+from tests.test_backend_onnxruntime import write_mlp
+
+
+def make_spec(**target: object) -> PipelineSpec:
+    return PipelineSpec.model_validate({
+        "name": "mlp", "model": {"id": "example/mlp", "task": "feature-extraction"},
+        "profiles": [{"batch": [1, 2, 4], "seq": [8, 16, 32]}], "precisions": ["fp32", "int8"],
+        "targets": [{"name": "cpu", "backend": "onnxruntime", "threads": 1, **target},
+                    {"name": "sm90", "backend": "tensorrt", "arch": "sm90"}]})
+
+
+def precision_output(store: ArtifactStore, tmp_path: Path, *, cpu_graph: bool = False) -> StageResult:
+    """A precision stage output holding a real graph (model.cpu.onnx too, as int8 writes it)."""
+    source = write_mlp(tmp_path / "source.onnx")
+    with store.writing("mlp", "precision", "int8key" if cpu_graph else "fp32key") as w:
+        shutil.copy(source, w.dir / "model.onnx")
+        if cpu_graph:
+            shutil.copy(source, w.dir / "model.cpu.onnx")
+        w.outputs["precision"] = "int8" if cpu_graph else "fp32"
+    return w.result
+
+
+def test_build_writes_the_engine_and_is_cached(tmp_path: Path) -> None:
+    store, spec = ArtifactStore(tmp_path / "artifacts"), make_spec()
+    first = run_build(spec, precision_output(store, tmp_path), "cpu", store)
+    assert not first.cached
+    assert first.path == store.path("mlp", "build", first.key)
+    outputs = first.outputs
+    assert outputs["backend"] == "onnxruntime" and outputs["engine_file"] == "model.onnx"
+    assert outputs["engine_bytes"] >= first.file("model.onnx").stat().st_size > 0
+    assert outputs["build_seconds"] >= 0 and outputs["precision"] == "fp32" and outputs["target"] == "cpu"
+    assert outputs["hardware"]["isa"] == json.loads(first.file("engine.json").read_text())["hardware"]["isa"]
+    again = run_build(spec, precision_output(store, tmp_path), "cpu", store)
+    assert again.cached and again.key == first.key
+    assert not run_build(spec, precision_output(store, tmp_path), "cpu", store, force=True).cached
+
+
+def test_key_covers_target_settings_and_upstream(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path / "artifacts")
+    fp32 = precision_output(store, tmp_path)
+    backend = get_backend("onnxruntime")
+    one_thread, two_threads = make_spec(), make_spec(threads=2)
+    key = build_key(fp32, one_thread.target("cpu"), backend, one_thread.profiles)
+    assert key == run_build(one_thread, fp32, "cpu", store).key
+    assert key != build_key(fp32, two_threads.target("cpu"), backend, two_threads.profiles)
+    assert key != build_key(precision_output(store, tmp_path, cpu_graph=True), one_thread.target("cpu"), backend,
+                            one_thread.profiles)
+
+
+def test_int8_builds_from_the_cpu_graph(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path / "artifacts")
+    result = run_build(make_spec(), precision_output(store, tmp_path, cpu_graph=True), "cpu", store)
+    assert result.outputs["source_model"] == "model.cpu.onnx"
+
+
+def test_built_engine_opens_as_a_runner(tmp_path: Path) -> None:
+    store, spec = ArtifactStore(tmp_path / "artifacts"), make_spec()
+    result = run_build(spec, precision_output(store, tmp_path), "cpu", store)
+    with open_engine(spec, result) as runner:
+        assert runner.infer({"x": np.ones((2, 16), dtype=np.float32)})["y"].shape == (2, 8)
+
+
+def test_unavailable_backend_says_why_and_writes_nothing(tmp_path: Path) -> None:
+    store, spec = ArtifactStore(tmp_path / "artifacts"), make_spec()
+    if get_backend("tensorrt").missing(spec.target("sm90")) is None:
+        pytest.skip("this machine can build for sm90 with TensorRT")
+    with pytest.raises(BuildUnavailable, match="target sm90 \\(tensorrt\\): cannot build here: .+"):
+        run_build(spec, precision_output(store, tmp_path), "sm90", store)
+    assert not (store.root / "mlp" / "build").exists()

@@ -1,0 +1,72 @@
+"""The source model: tokenizer, PyTorch reference and identity, from local directories (no hub)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from tasks import spec as spec_module
+from tasks.models import load_reference, load_tokenizer, model_source_digest
+from tasks.store import tree_digest
+from tests.fixtures.models import load_llama_maker
+
+
+def _spec(pipeline_factory, model_dir, task):
+    return spec_module.load(pipeline_factory(model_dir, task)).pipelines["tiny"]
+
+
+def test_reference_is_fp32_eval_model_for_the_task(tiny_bert_dir, tiny_llama_dir, pipeline_factory):
+    encoder = load_reference(_spec(pipeline_factory, tiny_bert_dir, "feature-extraction"))
+    decoder = load_reference(_spec(pipeline_factory, tiny_llama_dir, "text-generation-with-past"))
+    assert type(encoder).__name__ == "BertModel"
+    assert isinstance(decoder, LlamaForCausalLM)
+    for model in (encoder, decoder):
+        assert not model.training
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+def test_decoder_tokenizer_without_pad_pads_with_eos(tiny_llama_dir, pipeline_factory, tmp_path):
+    no_pad = tmp_path / "no-pad"
+    shutil.copytree(tiny_llama_dir, no_pad)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config = json.loads((no_pad / name).read_text())
+        config.pop("pad_token", None)
+        (no_pad / name).write_text(json.dumps(config))
+    tokenizer = load_tokenizer(_spec(pipeline_factory, no_pad, "text-generation-with-past"))
+    assert tokenizer.pad_token == tokenizer.eos_token == "</s>"
+    assert load_tokenizer(_spec(pipeline_factory, tiny_llama_dir, "text-generation")).pad_token == "<pad>"
+
+
+def test_source_digest_follows_local_files_and_pins_hub_revision(tiny_bert_dir, pipeline_factory, tmp_path):
+    spec = _spec(pipeline_factory, tiny_bert_dir, "feature-extraction")
+    assert model_source_digest(spec) == tree_digest(tiny_bert_dir)
+    hub = spec.model_copy(update={"model": spec.model.model_copy(
+        update={"id": "org/model", "path": None, "revision": "abc123"})})
+    assert model_source_digest(hub) == "hub:org/model@abc123"
+
+
+def test_missing_model_dir_is_named(pipeline_factory, tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    spec = _spec(pipeline_factory, tmp_path / "model", "feature-extraction")
+    (tmp_path / "model" / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'model'} has no config.json"):
+        load_reference(spec)
+
+
+def test_tiny_llama_maker_is_deterministic(tmp_path):
+    maker = load_llama_maker()
+    first, second = maker.make_tiny_llama(tmp_path / "a"), maker.make_tiny_llama(tmp_path / "b")
+    assert tree_digest(first) == tree_digest(second), "same seed and text must give the same files"
+    tokenizer = AutoTokenizer.from_pretrained(first, local_files_only=True)
+    assert tokenizer("Fresh bread.")["input_ids"][0] == tokenizer.bos_token_id
+    assert {tokenizer.unk_token, tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token} == {
+        "<unk>", "<s>", "</s>", "<pad>"}
+    config = json.loads((first / "config.json").read_text())
+    assert config["num_key_value_heads"] < config["num_attention_heads"], "grouped-query attention like Llama"
+

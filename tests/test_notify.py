@@ -1,0 +1,139 @@
+"""The promotion webhook as a deploy system relies on it: signed, verifiable, never lost while the
+receiver is down, and the secret never ends up in MLflow."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tasks import notify, tracking
+from tasks.outcome import CandidateOutcome
+from tasks.promote import promote
+from tasks.spec import PipelineSpec
+from tasks.store import ArtifactStore
+from tests.fixtures.candidates import candidate_outcome, pipeline_spec
+from tests.fixtures.servers import WebhookReceiver
+
+RETRIES = 2
+
+
+def _spec(receiver: WebhookReceiver) -> PipelineSpec:
+    hook = {"url": receiver.url, "secret_env": receiver.secret_env, "retries": RETRIES, "timeout_s": 2}
+    return pipeline_spec(f"notify-{uuid.uuid4().hex[:8]}", webhooks=[hook])
+
+
+def _promoted(spec: PipelineSpec, outcome: CandidateOutcome) -> list[dict]:
+    """What the pipeline flow does after the gates: log, promote, notify; returns the deliveries."""
+    with tracking.pipeline_run(spec, "run", {}) as parent_id:
+        outcome.run_id = tracking.log_candidate(parent_id, spec, outcome)
+    promote(spec, [outcome])
+    assert outcome.status == "promoted"
+    return notify.notify_promotions(spec, [outcome], backoff_s=0.01)
+
+
+def _record(outcome: CandidateOutcome) -> dict[str, str]:
+    tags = MlflowClient().get_model_version(outcome.model_name, outcome.model_version).tags
+    return {k.removeprefix("smelter.notify."): v for k, v in tags.items() if k.startswith("smelter.notify.")}
+
+
+def test_signature_verifies_only_the_exact_body_secret_and_recent_timestamp() -> None:
+    body = b'{"event": "engine.promoted"}'
+    now = str(int(time.time()))
+    headers = {"X-Smelter-Delivery-Id": "d1", "X-Smelter-Timestamp": now,
+               "X-Smelter-Signature": notify.sign("s3cret", "d1", now, body)}
+    assert notify.verify_signature("s3cret", headers, body)
+    assert notify.verify_signature("s3cret", {k.lower(): v for k, v in headers.items()}, body)
+    assert not notify.verify_signature("other", headers, body)
+    assert not notify.verify_signature("s3cret", headers, body + b" ")
+    assert not notify.verify_signature("s3cret", headers | {"X-Smelter-Delivery-Id": "d2"}, body)
+    old = str(int(time.time()) - 3600)
+    replayed = headers | {"X-Smelter-Timestamp": old, "X-Smelter-Signature": notify.sign("s3cret", "d1", old, body)}
+    assert not notify.verify_signature("s3cret", replayed, body)
+
+
+@pytest.mark.usefixtures("mlflow_server")
+def test_promotion_sends_a_signed_event_the_receiver_verifies(webhook_receiver: WebhookReceiver,
+                                                              tmp_path: Path) -> None:
+    spec = _spec(webhook_receiver)
+    outcome = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=500.0)
+    deliveries = _promoted(spec, outcome)
+
+    assert [(d["status"], d["attempts"]) for d in deliveries] == [("delivered", 1)]
+    assert webhook_receiver.rejected == 0 and len(webhook_receiver.events) == 1
+    event = webhook_receiver.events[0]
+    assert {k: event[k] for k in ("event", "pipeline", "target", "precision", "candidate", "registered_model",
+                                  "version", "alias", "run_id")} == {
+        "event": "engine.promoted", "pipeline": spec.name, "target": "cpu", "precision": "int8",
+        "candidate": f"{spec.name}/int8/cpu", "registered_model": f"{spec.name}-cpu",
+        "version": outcome.model_version, "alias": "champion", "run_id": outcome.run_id}
+    assert event["metrics"]["throughput"] == 500.0 and "accuracy.cosine_mean" in event["metrics"]
+    assert webhook_receiver.headers[0]["X-Smelter-Delivery-Id"] == event["delivery_id"]
+    record = _record(outcome)
+    assert (record["0.status"], record["0.attempts"], record["pending"]) == ("delivered", "1", "false")
+
+
+@pytest.mark.usefixtures("mlflow_server")
+@pytest.mark.parametrize("outage", ["503", "port closed"])
+def test_event_stays_pending_while_receiver_is_down_and_retry_delivers_it_once(
+        outage: str, webhook_receiver: WebhookReceiver, tmp_path: Path) -> None:
+    spec = _spec(webhook_receiver)
+    if outage == "503":
+        webhook_receiver.down = True
+    else:
+        webhook_receiver.stop()
+    outcome = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=500.0)
+    assert [d["status"] for d in _promoted(spec, outcome)] == ["pending"]
+
+    assert webhook_receiver.events == []
+    assert webhook_receiver.attempts == (RETRIES + 1 if outage == "503" else 0)
+    record = _record(outcome)
+    assert (record["0.status"], record["0.attempts"], record["pending"]) == ("pending", str(RETRIES + 1), "true")
+    assert record["0.last_error"]
+    stored = json.loads(record["0.event"])
+
+    webhook_receiver.down = False
+    if outage == "port closed":
+        webhook_receiver.start()
+    results = notify.retry_pending(spec, backoff_s=0.01)
+    assert [(r["status"], r["version"], r["delivery_id"]) for r in results] == [
+        ("delivered", outcome.model_version, stored["delivery_id"])]
+    assert webhook_receiver.events == [stored]
+    assert _record(outcome)["0.status"] == "delivered"
+    assert notify.retry_pending([spec], backoff_s=0.01) == []
+    assert len(webhook_receiver.events) == 1
+
+
+@pytest.mark.usefixtures("mlflow_server")
+def test_pending_event_goes_out_with_the_next_promotion(webhook_receiver: WebhookReceiver, tmp_path: Path) -> None:
+    spec = _spec(webhook_receiver)
+    store = ArtifactStore(tmp_path)
+    webhook_receiver.down = True
+    first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
+    _promoted(spec, first)
+    webhook_receiver.down = False
+    second = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-2")
+    assert [d["version"] for d in _promoted(spec, second)] == [first.model_version, second.model_version]
+    assert [e["version"] for e in webhook_receiver.events] == [first.model_version, second.model_version]
+
+
+@pytest.mark.usefixtures("mlflow_server")
+def test_secret_is_never_written_to_mlflow(webhook_receiver: WebhookReceiver, tmp_path: Path) -> None:
+    spec = _spec(webhook_receiver)
+    outcome = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=500.0)
+    _promoted(spec, outcome)
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(f"smelter/{spec.name}")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 2
+    written = [json.dumps([run.data.params, run.data.tags]) for run in runs]
+    written.append(json.dumps(client.get_model_version(outcome.model_name, outcome.model_version).tags))
+    model = client.get_registered_model(outcome.model_name)
+    written.append(json.dumps([model.tags, model.description]))
+    written.append(tracking.engine_card(spec, outcome, tracking.candidate_metrics(outcome)))
+    assert spec.promotion.webhooks[0].secret_env in "".join(written)
+    assert not any(webhook_receiver.secret in text for text in written)

@@ -1,0 +1,134 @@
+"""Promotion as a deploy system sees it: only passing engines in the registry, the alias on the best
+one, moved only by a new promotion, and never left half-moved when a step fails."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tasks import tracking
+from tasks.outcome import CandidateOutcome
+from tasks.promote import PromotionError, promote
+from tasks.spec import PipelineSpec
+from tasks.store import ArtifactStore
+from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
+
+pytestmark = pytest.mark.usefixtures("mlflow_server")
+
+
+def _logged(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
+    with tracking.pipeline_run(spec, "run", {}) as parent_id:
+        for outcome in outcomes:
+            outcome.run_id = tracking.log_candidate(parent_id, spec, outcome)
+    return outcomes
+
+
+def _versions(name: str) -> list[str]:
+    return sorted(v.version for v in MlflowClient().search_model_versions(f"name = '{name}'"))
+
+
+def _alias(name: str, alias: str = "champion") -> str:
+    return MlflowClient().get_model_version_by_alias(name, alias).version
+
+
+def test_best_passing_candidate_gets_alias_and_rejected_ones_are_never_registered(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path / "artifacts")
+    fast = candidate_outcome(store, spec, "int8", "cpu", throughput=500.0)
+    slow = candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0)
+    rejected = candidate_outcome(store, spec, "fp32", "sm90", throughput=900.0, passed=False)
+    failed = failed_outcome(store, spec, "int8", "sm90")
+    outcomes = promote(spec, _logged(spec, [fast, slow, rejected, failed]))
+    for outcome in outcomes:
+        tracking.finish_candidate(outcome.run_id, outcome)
+
+    assert [o.status for o in (fast, slow, rejected, failed)] == ["promoted", "passed", "rejected", "failed"]
+    cpu_model = f"{spec.name}-cpu"
+    assert _versions(cpu_model) == sorted([fast.model_version, slow.model_version])
+    assert _alias(cpu_model) == fast.model_version and fast.model_name == cpu_model
+    assert not MlflowClient().search_registered_models(f"name = '{spec.name}-sm90'")
+    assert rejected.model_version is None and failed.model_version is None
+
+    version = MlflowClient().get_model_version(cpu_model, fast.model_version)
+    assert version.run_id == fast.run_id and version.source == f"runs:/{fast.run_id}/engine"
+    assert version.tags["throughput"] == "500" and version.tags["cache_key"] == fast.cache_key
+    assert version.tags["accuracy.cosine_mean"] == "0.9988"
+    model = MlflowClient().get_registered_model(cpu_model)
+    assert model.tags["pipeline"] == spec.name and "champion" in model.description
+
+    run_tags = MlflowClient().get_run(fast.run_id).data.tags
+    assert (run_tags["status"], run_tags["registered_model"], run_tags["model_version"]) == (
+        "promoted", cpu_model, fast.model_version)
+    assert MlflowClient().get_run(slow.run_id).data.tags["status"] == "passed"
+
+    engine = Path(mlflow.artifacts.download_artifacts(f"models:/{cpu_model}@champion", dst_path=str(tmp_path / "dl")))
+    assert (engine / "model.onnx").read_bytes() == fast.stages["build"].file("model.onnx").read_bytes()
+    champion = tracking.champion(spec, "cpu")
+    assert champion["run_id"] == fast.run_id and champion["metrics"]["throughput"] == 500.0
+
+
+def test_latency_objective_promotes_the_lowest_p99(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}", objective="latency")
+    store = ArtifactStore(tmp_path)
+    high_throughput = candidate_outcome(store, spec, "int8", "cpu", throughput=500.0, p99_ms=20.0)
+    low_latency = candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0, p99_ms=8.0)
+    promote(spec, _logged(spec, [high_throughput, low_latency]))
+    assert (low_latency.status, high_throughput.status) == ("promoted", "passed")
+    assert _alias(f"{spec.name}-cpu") == low_latency.model_version
+
+
+def test_alias_moves_only_when_a_later_run_promotes(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path)
+    name = f"{spec.name}-cpu"
+    first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
+    promote(spec, _logged(spec, [first]))
+    assert _alias(name) == first.model_version
+
+    worse = candidate_outcome(store, spec, "int8", "cpu", throughput=100.0, passed=False, variant="night-2")
+    promote(spec, _logged(spec, [worse]))
+    assert worse.status == "rejected" and _alias(name) == first.model_version
+    assert _versions(name) == [first.model_version]
+
+    unchanged = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
+    promote(spec, _logged(spec, [unchanged]))
+    assert unchanged.cache_key == first.cache_key
+    assert unchanged.status == "passed" and unchanged.model_version == first.model_version
+    assert _versions(name) == [first.model_version]
+
+    better = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-4")
+    promote(spec, _logged(spec, [better]))
+    assert better.status == "promoted" and _alias(name) == better.model_version != first.model_version
+
+
+def test_failed_promotion_step_restores_previous_alias_and_removes_new_version(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path)
+    name = f"{spec.name}-cpu"
+    first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
+    promote(spec, _logged(spec, [first]))
+
+    # A webhook URL longer than the registry accepts as a tag value: the alias has already moved
+    # when writing the notification record fails, so the rollback must move it back.
+    unrecordable = pipeline_spec(spec.name, webhooks=[{"url": "http://127.0.0.1:9/" + "x" * 100_001,
+                                                       "secret_env": "SMELTER_UNUSED_SECRET"}])
+    better = candidate_outcome(store, unrecordable, "int8", "cpu", throughput=900.0, variant="night-2")
+    with pytest.raises(PromotionError, match=f"promotion of pipeline {spec.name} failed: .*rolled back"):
+        promote(unrecordable, _logged(unrecordable, [better]))
+
+    assert _alias(name) == first.model_version
+    assert _versions(name) == [first.model_version]
+    assert better.status == "passed" and better.model_version is None
+    assert MlflowClient().get_run(better.run_id).data.tags["status"] == "passed"
+
+
+def test_promotion_refuses_candidates_that_were_never_logged(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    unlogged = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=400.0)
+    with pytest.raises(PromotionError, match="no MLflow run_id"):
+        promote(spec, [unlogged])
+    assert not MlflowClient().search_registered_models(f"name = '{spec.name}-cpu'")
