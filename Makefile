@@ -38,8 +38,10 @@ test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
 
 benchmark: setup
+	$(BIN)/smelter run --pipeline minilm
 	$(BIN)/python benchmarks/minilm_speedup.py
 	$(BIN)/python benchmarks/warm_rerun.py
+	$(BIN)/python benchmarks/int8_cpu_formats.py
 
 clean:
 	rm -rf artifacts/*/ mlruns mlflow.db

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows import progress
@@ -34,14 +35,15 @@ class _Memo:
     """Runs each shared upstream stage once per flow run and remembers its result or failure."""
 
     def __init__(self) -> None:
-        self._done: dict[tuple, StageResult | _StageFailed] = {}
+        self._done: dict[tuple[str, str], StageResult | _StageFailed] = {}
 
-    def get(self, key: tuple, stage: str, label: str, call: Any) -> StageResult:
+    def get(self, stage: str, node: str, call: Any) -> StageResult:
+        key = (stage, node)
         if key not in self._done:
             try:
                 self._done[key] = call()
             except Exception as e:  # noqa: BLE001 - any stage error fails its candidates, not the run
-                progress.stage_failed(label, stage, f"{type(e).__name__}: {e}")
+                progress.stage_failed(node, stage, f"{type(e).__name__}: {e}")
                 self._done[key] = _StageFailed(stage, e)
         done = self._done[key]
         if isinstance(done, _StageFailed):
@@ -49,31 +51,25 @@ class _Memo:
         return done
 
 
-def _named(stage_task: Any, name: str) -> Any:
-    return stage_task.with_options(task_run_name=name)
-
-
 def build_candidate(spec: PipelineSpec, candidate: Candidate, store: ArtifactStore, memo: _Memo,
                     force: bool) -> CandidateOutcome:
     """Run every stage up to the benchmark for one candidate, reusing what siblings already ran."""
     outcome = CandidateOutcome(candidate, status="passed")
     p, t, label = candidate.precision, candidate.target, candidate.name
+
+    def step(stage: str, node: str, stage_task: Any, *args: Any) -> StageResult:
+        result = memo.get(stage, node, lambda: stage_task.with_options(
+            task_run_name=f"{node}/{stage}")(node, spec, *args, store, force=force))
+        outcome.stages[stage] = result
+        return result
+
     try:
-        exported = memo.get(("export",), "export", spec.name, lambda: _named(export_task, f"{spec.name}/export")(
-            spec.name, spec, store, force=force))
-        outcome.stages["export"] = exported
-        outcome.stages["validate"] = memo.get(("validate",), "validate", spec.name, lambda: _named(
-            validate_task, f"{spec.name}/validate")(spec.name, spec, exported, store, force=force))
-        precise = memo.get(("precision", p), "precision", f"{spec.name}/{p}", lambda: _named(
-            precision_task, f"{spec.name}/{p}/precision")(f"{spec.name}/{p}", spec, exported, p, store, force=force))
-        outcome.stages["precision"] = precise
-        built = memo.get(("build", p, t), "build", label, lambda: _named(build_task, f"{label}/build")(
-            label, spec, precise, t, store, force=force))
-        outcome.stages["build"] = built
-        outcome.stages["accuracy"] = memo.get(("accuracy", p, t), "accuracy", label, lambda: _named(
-            accuracy_task, f"{label}/accuracy")(label, spec, built, store, force=force))
-        outcome.stages["benchmark"] = memo.get(("benchmark", p, t), "benchmark", label, lambda: _named(
-            benchmark_task, f"{label}/benchmark")(label, spec, built, store, force=force))
+        exported = step("export", spec.name, export_task)
+        step("validate", spec.name, validate_task, exported)
+        precise = step("precision", f"{spec.name}/{p}", precision_task, exported, p)
+        built = step("build", label, build_task, precise, t)
+        step("accuracy", label, accuracy_task, built)
+        step("benchmark", label, benchmark_task, built)
     except _StageFailed as failed:
         outcome.status = "failed"
         outcome.failed_stage = failed.stage
@@ -151,7 +147,20 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
             tracking.finish_candidate(outcome.run_id, outcome)
             progress.candidate_done(outcome.candidate.name, outcome.status,
                                     [outcome.error] if outcome.error else outcome.gate_reasons)
+    _publish(pipeline, outcomes)
     return [o.summary() for o in outcomes]
+
+
+def _publish(pipeline: str, outcomes: list[CandidateOutcome]) -> None:
+    """A table of this run's candidates on the Prefect flow run page."""
+    rows = [{"candidate": o.candidate.name, "status": o.status, "version": o.model_version or "",
+             "throughput": round(o.metrics.get("throughput", float("nan")), 2),
+             "p99_ms": round(o.metrics.get("p99_ms", float("nan")), 3),
+             "speedup_vs_reference": round(o.metrics.get("speedup_vs_reference", float("nan")), 3),
+             "reasons": "; ".join([o.error] if o.error else o.gate_reasons), "mlflow_run_id": o.run_id or ""}
+            for o in outcomes]
+    create_table_artifact(rows, key=f"{pipeline.replace('_', '-')}-candidates",
+                          description=f"Candidates of pipeline {pipeline}: status, key metrics, gate reasons")
 
 
 def _fail_passing(outcomes: list[CandidateOutcome], stage: str, error: Exception) -> None:

@@ -9,11 +9,10 @@ at the usual shape and wrong (NaN, wrong shape) only at the edges.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from tasks.backends.base import Runner
 from tasks.build import open_engine
@@ -21,6 +20,9 @@ from tasks.inputs import decoder_feeds, encoder_feeds, read_texts, reference_out
 from tasks.models import load_reference, load_tokenizer
 from tasks.spec import PipelineSpec, ProfileSpec
 from tasks.store import ArtifactStore, StageResult, file_digest, stage_key, tool_versions
+
+if TYPE_CHECKING:
+    import torch
 
 PER_SAMPLE = "per_sample.csv"
 CHUNK = 8

@@ -12,13 +12,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import torch
-from matplotlib.figure import Figure
-from transformers.cache_utils import DynamicCache
 
 from tasks.backends.base import Runner
 from tasks.build import open_engine
@@ -26,6 +23,9 @@ from tasks.inputs import PAST_PREFIX, decoder_feeds, encoder_feeds, read_texts
 from tasks.models import load_reference, load_tokenizer
 from tasks.spec import PipelineSpec
 from tasks.store import ArtifactStore, StageResult, file_digest, host_facts, stage_key, tool_versions
+
+if TYPE_CHECKING:
+    import torch
 
 SAMPLES = "samples.csv"
 PLOT = "latency.png"
@@ -101,6 +101,8 @@ def run_benchmark(spec: PipelineSpec, build_result: StageResult, store: Artifact
     key = benchmark_key(build_result, spec)
     if not force and (hit := store.lookup(spec.name, "benchmark", key)):
         return hit
+    import torch
+
     config = _benchmark_config(spec, build_result)
     engine_label = build_result.outputs["backend"]
     texts = read_texts(spec.resolve(spec.accuracy.data))
@@ -192,6 +194,9 @@ def _time_ms(call: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
 
 def _reference_call(model: torch.nn.Module, feeds: dict[str, np.ndarray], task: str) -> Callable[[], Any]:
     """The eager forward for these feeds; a decoder's KV cache is rebuilt per call since forward extends it."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
     tensors = {name: torch.from_numpy(value) for name, value in feeds.items() if not name.startswith(PAST_PREFIX)}
     layers = []
     while f"{PAST_PREFIX}{len(layers)}.key" in feeds:
@@ -222,6 +227,8 @@ def _samples_table(measurements: list[Measurement], engine_label: str) -> pd.Dat
 
 def _plot(measurements: list[Measurement], engine_label: str, path: Path) -> None:
     """Box plots of the raw samples, engine next to reference, one pair per shape point."""
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(max(6.0, 1.6 * len(measurements)), 4.0))
     ax = fig.subplots()
     labels = [f"b{m.batch} s{m.seq}" + (f" p{m.past}" if m.past else "") for m in measurements]

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-from optimum.exporters.onnx import main_export
 
 from tasks.models import load_tokenizer, model_source_digest
 from tasks.spec import PipelineSpec
@@ -44,6 +43,8 @@ def run_export(spec: PipelineSpec, store: ArtifactStore, force: bool = False) ->
 
 
 def _export(spec: PipelineSpec, out_dir: Path, opset: int) -> None:
+    from optimum.exporters.onnx import main_export
+
     model_dir = spec.model_dir
     if model_dir is not None:
         source: dict[str, Any] = {"model_name_or_path": str(model_dir), "local_files_only": True}

@@ -10,11 +10,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from transformers.cache_utils import DynamicCache
+
+if TYPE_CHECKING:
+    import torch
+    from transformers.cache_utils import DynamicCache
 
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."
@@ -101,6 +103,8 @@ def decoder_feeds(tokenizer: Any, reference_model: torch.nn.Module, texts: list[
         "position_ids": np.broadcast_to(np.arange(past, past + seq, dtype=np.int64), (batch, seq)).copy(),
     }
     if any(name.startswith(PAST_PREFIX) for name in names):
+        import torch
+
         if past > 0:
             with torch.inference_mode():
                 out = reference_model(input_ids=torch.from_numpy(tokens[:, :past]), use_cache=True)
@@ -118,6 +122,9 @@ def decoder_feeds(tokenizer: Any, reference_model: torch.nn.Module, texts: list[
 
 
 def _past_cache(feeds: dict[str, np.ndarray]) -> DynamicCache | None:
+    import torch
+    from transformers.cache_utils import DynamicCache
+
     layers = []
     while f"{PAST_PREFIX}{len(layers)}.key" in feeds:
         i = len(layers)
@@ -131,6 +138,8 @@ def _past_cache(feeds: dict[str, np.ndarray]) -> DynamicCache | None:
 def reference_outputs(reference_model: torch.nn.Module, feeds: dict[str, np.ndarray],
                       task: str) -> dict[str, np.ndarray]:
     """The PyTorch model's outputs for `feeds`, named like the exported ONNX outputs."""
+    import torch
+
     tensors = {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in feeds.items()
                if not name.startswith(PAST_PREFIX)}
     with torch.inference_mode():

@@ -6,19 +6,20 @@ offline machine never waits on the network.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from typing import TYPE_CHECKING, Any
 
 from tasks.spec import PipelineSpec
 from tasks.store import tree_digest
 
+if TYPE_CHECKING:
+    import torch
+
+# transformers class names, looked up on use: a cached run never imports transformers
 _AUTO_CLASSES = {
-    "feature-extraction": AutoModel,
-    "text-classification": AutoModelForSequenceClassification,
-    "text-generation": AutoModelForCausalLM,
-    "text-generation-with-past": AutoModelForCausalLM,
+    "feature-extraction": "AutoModel",
+    "text-classification": "AutoModelForSequenceClassification",
+    "text-generation": "AutoModelForCausalLM",
+    "text-generation-with-past": "AutoModelForCausalLM",
 }
 
 
@@ -34,6 +35,8 @@ def _source(spec: PipelineSpec) -> tuple[str, dict[str, Any]]:
 
 def load_tokenizer(spec: PipelineSpec) -> Any:
     """The model's tokenizer; decoders without a pad token pad with eos so batches can be padded."""
+    from transformers import AutoTokenizer
+
     source, kwargs = _source(spec)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     if spec.model.is_decoder and tokenizer.pad_token is None:
@@ -43,8 +46,12 @@ def load_tokenizer(spec: PipelineSpec) -> Any:
 
 def load_reference(spec: PipelineSpec) -> torch.nn.Module:
     """The fp32 PyTorch model on CPU in eval mode: the ground truth every engine is compared to."""
+    import torch
+    import transformers
+
     source, kwargs = _source(spec)
-    model = _AUTO_CLASSES[spec.model.task].from_pretrained(source, dtype=torch.float32, **kwargs)
+    auto_class = getattr(transformers, _AUTO_CLASSES[spec.model.task])
+    model = auto_class.from_pretrained(source, dtype=torch.float32, **kwargs)
     return model.to("cpu").eval()
 
 

@@ -15,26 +15,19 @@ import fnmatch
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnxruntime.quantization import (
-    CalibrationDataReader,
-    CalibrationMethod,
-    QuantFormat,
-    QuantType,
-    quantize_dynamic,
-    quantize_static,
-)
-from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-from onnxruntime.transformers.float16 import convert_float_to_float16
 
 from tasks import inputs, models
 from tasks.qdq_lint import check_qdq
 from tasks.spec import PipelineSpec
 from tasks.store import ArtifactStore, StageResult, file_digest, stage_key, tool_versions
+
+if TYPE_CHECKING:
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod
 
 STAGE = "precision"
 TOOLS = ("onnx", "onnxruntime")
@@ -45,11 +38,6 @@ EXTERNAL_DATA_THRESHOLD = 1 << 30
 
 QUANTIZED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose")
 CPU_DYNAMIC_OP_TYPES = QUANTIZED_OP_TYPES + ("Attention",)
-CALIBRATION_METHODS = {
-    "minmax": CalibrationMethod.MinMax,
-    "entropy": CalibrationMethod.Entropy,
-    "percentile": CalibrationMethod.Percentile,
-}
 FORMATS = {"fp32": "passthrough", "fp16": "cast-fp16", "int8": "qdq-s8-tensorrt"}
 
 
@@ -113,21 +101,34 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     Keeping the IO types means every consumer (accuracy, benchmark, each backend) feeds the
     same int64 ids and reads float32 outputs, whatever the precision inside.
     """
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
     return convert_float_to_float16(model, keep_io_types=True)
 
 
-class TextCalibrationReader(CalibrationDataReader):
+def calibration_method(name: str) -> CalibrationMethod:
+    """The onnxruntime calibration method for calibration.method (minmax, entropy or percentile)."""
+    from onnxruntime.quantization import CalibrationMethod
+
+    return {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+            "percentile": CalibrationMethod.Percentile}[name]
+
+
+def text_calibration_reader(batches: list[dict[str, np.ndarray]]) -> CalibrationDataReader:
     """Calibration feeds made from real text; ranges are only as realistic as the text is."""
+    from onnxruntime.quantization import CalibrationDataReader
 
-    def __init__(self, batches: list[dict[str, np.ndarray]]):
-        self._batches = batches
-        self._next = iter(batches)
+    class TextCalibrationReader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._next = iter(batches)
 
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._next, None)
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self._next, None)
 
-    def __len__(self) -> int:
-        return len(self._batches)
+        def __len__(self) -> int:
+            return len(batches)
+
+    return TextCalibrationReader()
 
 
 def _calibration_past(spec: PipelineSpec) -> int:
@@ -236,6 +237,8 @@ def fuse_for_cpu(source: Path, target: Path) -> None:
     guess_output_rank for their rotary and mask subgraphs);
     the quantizer silently leaves an untyped tensor in float.
     """
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.optimized_model_filepath = str(target)
@@ -255,21 +258,23 @@ def _tensorrt_options(model: onnx.ModelProto) -> dict[str, Any]:
 
 
 def _int8(spec: PipelineSpec, source: Path, out_dir: Path) -> dict[str, Any]:
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
     model = onnx.load(str(source))
     excluded = excluded_nodes(model, spec)
     initializers = {init.name for init in model.graph.initializer}
     input_names = [i.name for i in model.graph.input if i.name not in initializers]
     batches = calibration_batches(spec, input_names)
-    method = CALIBRATION_METHODS[spec.calibration.method]
+    method = calibration_method(spec.calibration.method)
     op_types = [t for t in QUANTIZED_OP_TYPES if t not in spec.quantization.exclude_op_types]
     calibration_path = out_dir / CALIBRATION_FILE
-    quantize_static(source, out_dir / MODEL_FILE, TextCalibrationReader(batches), quant_format=QuantFormat.QDQ,
+    quantize_static(source, out_dir / MODEL_FILE, text_calibration_reader(batches), quant_format=QuantFormat.QDQ,
                     op_types_to_quantize=op_types, per_channel=True, activation_type=QuantType.QInt8,
                     weight_type=QuantType.QInt8, nodes_to_exclude=excluded, calibrate_method=method,
                     extra_options=_tensorrt_options(model), calibration_cache_path=calibration_path)
     lint = check_qdq(onnx.load(str(out_dir / MODEL_FILE)), f"{spec.name} int8 {MODEL_FILE}")
     cpu_excluded = _cpu_int8(spec, model, source, out_dir, excluded,
-                             lambda: TextCalibrationReader(batches), method)
+                             lambda: text_calibration_reader(batches), method)
     calib = spec.calibration
     return _outputs("int8", excluded_nodes=excluded, lint={"passed": True, **lint},
                     calibration={"data": calib.data, "sha256": file_digest(spec.resolve(calib.data)),
@@ -279,8 +284,10 @@ def _int8(spec: PipelineSpec, source: Path, out_dir: Path) -> dict[str, Any]:
 
 
 def _cpu_int8(spec: PipelineSpec, model: onnx.ModelProto, source: Path, out_dir: Path, excluded: list[str],
-              reader: Callable[[], TextCalibrationReader], method: CalibrationMethod) -> list[str]:
+              reader: Callable[[], CalibrationDataReader], method: CalibrationMethod) -> list[str]:
     """model.cpu.onnx: the fused graph, int8 in the form ONNX Runtime's x86 kernels run fast."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+
     skip_types = set(spec.quantization.exclude_op_types)
     with tempfile.TemporaryDirectory(prefix="smelter-fuse-") as tmp:
         fused_path = Path(tmp) / "fused.onnx"

@@ -14,11 +14,10 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlflow
 import pandas as pd
-from matplotlib.figure import Figure
 from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -26,6 +25,9 @@ from mlflow.tracking import MlflowClient
 from tasks.outcome import CandidateOutcome
 from tasks.spec import PipelineSpec
 from tasks.store import MANIFEST, StageResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 GATE_POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "throughput", "speedup_vs_reference")
 POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput", "tokens_per_s",
@@ -218,6 +220,8 @@ def _latency_figure(benchmark: StageResult | None) -> Figure | None:
     samples = pd.read_csv(benchmark.file("samples.csv"))
     if samples.empty:
         return None
+    from matplotlib.figure import Figure
+
     groups = [(f"b{b} s{s}\n{engine}", ms.to_numpy())
               for (b, s, engine), ms in samples.groupby(["batch", "seq", "engine"], sort=True)["ms"]]
     figure = Figure(figsize=(max(4.0, 1.2 * len(groups)), 4))

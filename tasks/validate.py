@@ -11,22 +11,18 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from polygraphy import util
-from polygraphy.backend.base import BaseRunner
-from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-from polygraphy.common import TensorMetadata
-from polygraphy.comparator import Comparator, SimpleCompareFunc
-from polygraphy.comparator.compare import OutputCompareResult
-from polygraphy.logger import G_LOGGER
 
 from tasks.inputs import decoder_feeds, encoder_feeds, read_texts, reference_outputs
 from tasks.models import load_reference, load_tokenizer
 from tasks.spec import PipelineSpec
 from tasks.store import ArtifactStore, StageResult, file_digest, stage_key, tool_versions
+
+if TYPE_CHECKING:
+    import torch
+    from polygraphy.backend.base import BaseRunner
 
 TOOLS = ("onnxruntime", "polygraphy", "torch", "transformers")
 REPORT = "report.json"
@@ -37,36 +33,39 @@ class ValidationFailed(Exception):
     """The exported graph disagrees with PyTorch, or produced NaN/Inf; the message names output and point."""
 
 
-class TorchReferenceRunner(BaseRunner):
-    """The PyTorch reference as a Polygraphy runner, so the Comparator treats it like any engine."""
+def torch_reference_runner(model: torch.nn.Module, task: str, inputs: dict[str, dict[str, Any]],
+                           name: str = "pytorch-reference") -> BaseRunner:
+    """The PyTorch reference as a Polygraphy runner, so the Comparator treats it like any engine.
 
-    def __init__(self, model: torch.nn.Module, task: str, inputs: dict[str, dict[str, Any]],
-                 name: str = "pytorch-reference"):
-        """
-        Args:
-            model: the fp32 reference model in eval mode.
-            task: the export task; decides which outputs the model produces.
-            inputs: the export's input facts ({name: {"dtype", "shape"}}), which feeds are checked against.
-        """
-        super().__init__(name=name, prefix="pytorch-reference")
-        self._model = model
-        self._task = task
-        self._inputs = inputs
+    Args:
+        model: the fp32 reference model in eval mode.
+        task: the export task; decides which outputs the model produces.
+        inputs: the export's input facts ({name: {"dtype", "shape"}}), which feeds are checked against.
+    """
+    from polygraphy import util
+    from polygraphy.backend.base import BaseRunner
+    from polygraphy.common import TensorMetadata
 
-    @util.check_called_by("get_input_metadata")
-    def get_input_metadata_impl(self) -> TensorMetadata:
-        meta = TensorMetadata()
-        for name, facts in self._inputs.items():
-            meta.add(name, dtype=np.dtype(facts["dtype"]),
-                     shape=[d if isinstance(d, int) else None for d in facts["shape"]])
-        return meta
+    class TorchReferenceRunner(BaseRunner):
+        def __init__(self) -> None:
+            super().__init__(name=name, prefix="pytorch-reference")
 
-    @util.check_called_by("infer")
-    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
-        start = time.time()
-        outputs = reference_outputs(self._model, dict(feed_dict), self._task)
-        self.inference_time = time.time() - start
-        return OrderedDict(outputs)
+        @util.check_called_by("get_input_metadata")
+        def get_input_metadata_impl(self) -> TensorMetadata:
+            meta = TensorMetadata()
+            for input_name, facts in inputs.items():
+                meta.add(input_name, dtype=np.dtype(facts["dtype"]),
+                         shape=[d if isinstance(d, int) else None for d in facts["shape"]])
+            return meta
+
+        @util.check_called_by("infer")
+        def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+            start = time.time()
+            outputs = reference_outputs(model, dict(feed_dict), task)
+            self.inference_time = time.time() - start
+            return OrderedDict(outputs)
+
+    return TorchReferenceRunner()
 
 
 def validate_key(export_result: StageResult, spec: PipelineSpec) -> str:
@@ -119,6 +118,8 @@ def _reference_output(name: str, _index: int, reference: Any) -> list[str]:
 
 
 def _stats(result: Any, atol: float, rtol: float) -> dict[str, Any]:
+    from polygraphy.comparator.compare import OutputCompareResult
+
     if not isinstance(result, OutputCompareResult):
         return {"max_abs": None, "mean_abs": None, "median_abs": None, "max_rel": None, "atol": atol,
                 "rtol": rtol, "passed": False, "problem": "shape mismatch"}
@@ -136,6 +137,10 @@ def _describe_failure(output: str, point: str, shape: dict[str, int], stats: dic
 
 def compare(spec: PipelineSpec, export_result: StageResult) -> dict[str, Any]:
     """Run ONNX Runtime and PyTorch on the same real inputs at every shape point; the report, pass or fail."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.comparator import Comparator, SimpleCompareFunc
+    from polygraphy.logger import G_LOGGER
+
     inputs = export_result.outputs["inputs"]
     input_names = list(inputs)
     tokenizer, reference = load_tokenizer(spec), load_reference(spec)
@@ -144,7 +149,7 @@ def compare(spec: PipelineSpec, export_result: StageResult) -> dict[str, Any]:
     feeds = [_feeds(spec, tokenizer, reference, texts, shape, input_names) for shape in points.values()]
     onnx_runner = OnnxrtRunner(SessionFromOnnx(str(export_result.file("model.onnx")), providers=["cpu"]),
                                name="onnxruntime")
-    torch_runner = TorchReferenceRunner(reference, spec.model.task, inputs)
+    torch_runner = torch_reference_runner(reference, spec.model.task, inputs)
     with G_LOGGER.verbosity(G_LOGGER.ERROR):
         run_results = Comparator.run([onnx_runner, torch_runner], data_loader=feeds)
         finite = Comparator.validate(run_results, check_nan=True, check_inf=True)

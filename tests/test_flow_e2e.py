@@ -36,6 +36,16 @@ def cached_task_runs() -> list[str]:
     return [r.name for r in runs]
 
 
+def prefect_table(key: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert found, f"no Prefect artifact {key}"
+    return found[-1].data
+
+
 @pytest.fixture
 def encoder_pipeline(pipeline_factory: Any, tiny_bert_dir: Path, webhook_receiver: Any) -> tuple[Path, str]:
     name = f"enc-{uuid.uuid4().hex[:6]}"
@@ -81,6 +91,8 @@ def test_run_promotes_records_notifies_and_reruns_cached(
     for candidate in again["candidates"]:
         assert all(stage["cached"] for stage in candidate["stages"].values()), candidate["stages"]
     assert any(n.endswith("/build") for n in cached_task_runs())
+    table = json.loads(prefect_table(f"{name}-candidates"))
+    assert {row["candidate"] for row in table} == set(candidates)
     assert client.get_model_version_by_alias(f"{name}-cpu", "champion").version == champion.version
 
     main(["plan", "-f", str(path), "--artifacts", artifacts])
@@ -106,7 +118,6 @@ def test_rejected_and_failed_candidates_are_recorded_never_promoted(
         targets=[{"name": "cpu", "backend": "onnxruntime", "threads": 1},
                  {"name": "sm90", "backend": "tensorrt", "arch": "sm90"}],
         accuracy={"gates": {"cosine_min": {"min": 1.0}, "max_abs_error": {"max": 0.0}}})
-    pytest.importorskip("tasks.backends.tensorrt")
     code, summary = run_json(capsys, "-f", str(path), "--artifacts", str(tmp_path / "artifacts"))
     candidates = by_name(summary)
     cpu, gpu = candidates[f"{name}/fp32/cpu"], candidates[f"{name}/fp32/sm90"]

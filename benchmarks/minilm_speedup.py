@@ -1,0 +1,66 @@
+"""The promoted minilm engine vs PyTorch eager FP32 at batch 8 x seq 128, measured side by side in one run.
+
+Reads the current champion from the MLflow registry (run `smelter run --pipeline minilm` first),
+re-measures its engine with the benchmark stage's own interleaved timing (more repeats than a
+nightly run) and prints throughput, the ratio and the champion's accuracy.
+Usage: python benchmarks/minilm_speedup.py [-f pipelines.yaml] [--target cpu] [--repeats 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+from tasks import tracking
+from tasks.benchmark import run_benchmark
+from tasks.spec import load
+from tasks.store import ArtifactStore
+
+GOAL_SPEEDUP, GOAL_COSINE_MEAN, GOAL_COSINE_MIN = 1.5, 0.99, 0.97
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-f", "--file", default="pipelines.yaml")
+    parser.add_argument("--pipeline", default="minilm")
+    parser.add_argument("--target", default="cpu")
+    parser.add_argument("--artifacts", default="artifacts")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=100)
+    args = parser.parse_args()
+
+    spec = load(args.file, check_env=False).pipelines[args.pipeline]
+    champion = tracking.champion(spec, args.target)
+    if champion is None:
+        print(f"no champion for {args.pipeline}/{args.target} yet: run `smelter run --pipeline {args.pipeline}` first",
+              file=sys.stderr)
+        return 2
+    build = ArtifactStore(args.artifacts).lookup(spec.name, "build", champion["cache_key"])
+    if build is None:
+        print(f"engine {champion['cache_key']} of the champion is not in {args.artifacts}/", file=sys.stderr)
+        return 2
+    spec = spec.model_copy(update={
+        "benchmark": spec.benchmark.model_copy(update={"batch_sizes": [args.batch], "seq_lens": [args.seq],
+                                                       "repeats": args.repeats, "warmup": 10}),
+        "performance": spec.performance.model_copy(update={"at": {"batch": args.batch, "seq": args.seq}})})
+    with tempfile.TemporaryDirectory() as scratch:
+        point = run_benchmark(spec, build, ArtifactStore(scratch), force=True).outputs["gate_point"]
+
+    metrics = champion["metrics"]
+    cosine_mean, cosine_min = metrics.get("accuracy.cosine_mean", float("nan")), metrics.get("accuracy.cosine_min", float("nan"))
+    speedup = point["reference_mean_ms"] / point["mean_ms"]
+    print(f"champion      {champion['candidate']} (v{champion['version']}, engine {champion['cache_key']})")
+    print(f"shape         batch {args.batch} x seq {args.seq}, {args.repeats} repeats each, interleaved")
+    print(f"engine        {point['throughput']:8.1f} samples/s   p50 {point['p50_ms']:7.1f} ms   p99 {point['p99_ms']:7.1f} ms")
+    print(f"pytorch fp32  {point['reference_throughput']:8.1f} samples/s   p50 {point['reference_p50_ms']:7.1f} ms"
+          f"   p99 {point['reference_p99_ms']:7.1f} ms")
+    print(f"throughput    {speedup:.2f}x eager fp32 (p50 ratio {point['speedup_vs_reference']:.2f}x)   goal >= {GOAL_SPEEDUP}x")
+    print(f"accuracy      cosine mean {cosine_mean:.4f} (goal >= {GOAL_COSINE_MEAN}), "
+          f"min {cosine_min:.4f} (goal >= {GOAL_COSINE_MIN})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
