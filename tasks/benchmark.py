@@ -7,6 +7,7 @@ ratio of two numbers taken side by side. Raw samples are kept; percentiles are d
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable
@@ -108,13 +109,14 @@ def run_benchmark(spec: PipelineSpec, build_result: StageResult, store: Artifact
     texts = read_texts(spec.resolve(spec.accuracy.data))
     tokenizer = load_tokenizer(spec)
     reference = load_reference(spec)
+    device = reference_device(build_result)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(config["threads"])
     try:
         with open_engine(spec, build_result, threads=config["threads"]) as runner, \
                 store.writing(spec.name, "benchmark", key, inputs={"build": build_result.key}, config=config,
                               tools=tool_versions(*TOOLS)) as w:
-            bench = _Bench(spec, runner, reference, tokenizer, texts)
+            bench = _Bench(spec, runner, reference, tokenizer, texts, device)
             prefill = [bench.measure(b, s, _prefill_past(spec)) for b in spec.benchmark.batch_sizes
                        for s in spec.benchmark.seq_lens]
             decode = ([bench.measure(b, 1, spec.benchmark.past_len) for b in spec.benchmark.batch_sizes]
@@ -124,7 +126,7 @@ def run_benchmark(spec: PipelineSpec, build_result: StageResult, store: Artifact
                 "points": points,
                 "gate_point": next(p for p in points if p["batch"] == spec.gate_point["batch"] and p["seq"] == spec.gate_point["seq"]),
                 "threads": config["threads"], "speedup_basis": SPEEDUP_BASIS,
-                "engine": engine_label, "reference": REFERENCE})
+                "engine": engine_label, "reference": REFERENCE, "reference_device": device})
             if spec.model.is_decoder:
                 w.outputs["decode"] = [_decode_row(m) for m in decode]
             _samples_table(prefill + decode, engine_label).to_csv(w.dir / SAMPLES, index=False)
@@ -132,6 +134,13 @@ def run_benchmark(spec: PipelineSpec, build_result: StageResult, store: Artifact
     finally:
         torch.set_num_threads(previous_threads)
     return w.result
+
+
+def reference_device(build_result: StageResult) -> str:
+    """Where eager PyTorch runs: on the GPU beside a GPU engine when it can, so the speedup compares like with like."""
+    import torch
+
+    return "cuda" if build_result.outputs.get("backend") == "tensorrt" and torch.cuda.is_available() else "cpu"
 
 
 def _prefill_past(spec: PipelineSpec) -> int:
@@ -150,8 +159,10 @@ class _Bench:
     """Feeds and timed calls for one engine and the reference; alternates blocks of repeats between them."""
 
     def __init__(self, spec: PipelineSpec, runner: Runner, reference: torch.nn.Module, tokenizer: Any,
-                 texts: list[str]):
+                 texts: list[str], device: str):
         self.spec, self.runner, self.reference, self.tokenizer, self.texts = spec, runner, reference, tokenizer, texts
+        self.device = device
+        self.timed_reference = reference if device == "cpu" else copy.deepcopy(reference).to(device)
 
     def feeds(self, batch: int, seq: int, past: int) -> dict[str, np.ndarray]:
         if not self.spec.model.is_decoder:
@@ -164,14 +175,14 @@ class _Bench:
 
     def measure(self, batch: int, seq: int, past: int) -> Measurement:
         feeds = self.feeds(batch, seq, past)
-        reference_call = _reference_call(self.reference, feeds, self.spec.model.task)
+        reference_call = reference_call(self.timed_reference, feeds, self.spec.model.task, self.device)
         warmup, repeats = self.spec.benchmark.warmup, self.spec.benchmark.repeats
         engine, reference = LatencySamples(), LatencySamples()
         self.runner.time_ms(feeds, warmup, 0)
-        _time_ms(reference_call, warmup, 0)
+        time_call_ms(reference_call, warmup, 0)
         for block in _blocks(repeats):
             engine.add(self.runner.time_ms(feeds, 0, block))
-            reference.add(_time_ms(reference_call, 0, block))
+            reference.add(time_call_ms(reference_call, 0, block))
         return Measurement(batch, seq, past, engine, reference)
 
 
@@ -181,7 +192,7 @@ def _blocks(repeats: int) -> list[int]:
     return [repeats // count + (1 if i < repeats % count else 0) for i in range(count)]
 
 
-def _time_ms(call: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
+def time_call_ms(call: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
     for _ in range(warmup):
         call()
     samples = []
@@ -192,27 +203,39 @@ def _time_ms(call: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
     return samples
 
 
-def _reference_call(model: torch.nn.Module, feeds: dict[str, np.ndarray], task: str) -> Callable[[], Any]:
-    """The eager forward for these feeds; a decoder's KV cache is rebuilt per call since forward extends it."""
+def reference_call(model: torch.nn.Module, feeds: dict[str, np.ndarray], task: str,
+                    device: str = "cpu") -> Callable[[], Any]:
+    """The eager forward for these feeds; a decoder's KV cache is rebuilt per call since forward extends it.
+
+    On a GPU each call waits for the device, so host timing measures the work, not the launch.
+    """
     import torch
     from transformers.cache_utils import DynamicCache
 
-    tensors = {name: torch.from_numpy(value) for name, value in feeds.items() if not name.startswith(PAST_PREFIX)}
+    def tensor(name: str) -> torch.Tensor:
+        return torch.from_numpy(feeds[name]).to(device)
+
+    tensors = {name: tensor(name) for name in feeds if not name.startswith(PAST_PREFIX)}
     layers = []
     while f"{PAST_PREFIX}{len(layers)}.key" in feeds:
         i = len(layers)
-        layers.append((torch.from_numpy(feeds[f"{PAST_PREFIX}{i}.key"]),
-                       torch.from_numpy(feeds[f"{PAST_PREFIX}{i}.value"])))
+        layers.append((tensor(f"{PAST_PREFIX}{i}.key"), tensor(f"{PAST_PREFIX}{i}.value")))
     with_cache = bool(layers) and layers[0][0].shape[2] > 0
 
     @torch.inference_mode()
-    def call() -> Any:
+    def forward() -> Any:
         if task == "text-generation-with-past":
             cache = DynamicCache.from_legacy_cache(tuple(layers)) if with_cache else None
             return model(**tensors, past_key_values=cache, use_cache=True)
         if task == "text-generation":
             return model(**tensors, use_cache=False)
         return model(**tensors)
+
+    def call() -> Any:
+        outputs = forward()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return outputs
 
     return call
 
