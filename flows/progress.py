@@ -10,7 +10,7 @@ import time
 
 from rich.console import Console
 
-_console = Console(stderr=True, highlight=False)
+_console = Console(stderr=True, highlight=False, soft_wrap=True)
 _started: dict[tuple[str, str], float] = {}
 enabled = True
 

@@ -175,14 +175,14 @@ class _Bench:
 
     def measure(self, batch: int, seq: int, past: int) -> Measurement:
         feeds = self.feeds(batch, seq, past)
-        reference_call = reference_call(self.timed_reference, feeds, self.spec.model.task, self.device)
+        forward = reference_call(self.timed_reference, feeds, self.spec.model.task, self.device)
         warmup, repeats = self.spec.benchmark.warmup, self.spec.benchmark.repeats
         engine, reference = LatencySamples(), LatencySamples()
         self.runner.time_ms(feeds, warmup, 0)
-        time_call_ms(reference_call, warmup, 0)
+        time_call_ms(forward, warmup, 0)
         for block in _blocks(repeats):
             engine.add(self.runner.time_ms(feeds, 0, block))
-            reference.add(time_call_ms(reference_call, 0, block))
+            reference.add(time_call_ms(forward, 0, block))
         return Measurement(batch, seq, past, engine, reference)
 
 
