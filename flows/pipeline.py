@@ -87,6 +87,16 @@ def gate_task(spec: PipelineSpec, outcome: CandidateOutcome, champion: dict[str,
     return outcome
 
 
+def _judge_and_track(spec: PipelineSpec, outcome: CandidateOutcome, champion: dict[str, Any] | None,
+                     parent_run_id: str) -> CandidateOutcome:
+    """Gate (unless a stage failed), then log; tasks hand back new objects, so keep what they return."""
+    name = outcome.candidate.name
+    if outcome.status != "failed":
+        outcome = gate_task.with_options(task_run_name=f"{name}/gate")(spec, outcome, champion)
+    outcome.run_id = track_task.with_options(task_run_name=f"{name}/track")(parent_run_id, spec, outcome)
+    return outcome
+
+
 def _build_metrics(outcome: CandidateOutcome) -> dict[str, float]:
     built = outcome.stages["build"].outputs
     return {k: float(built[k]) for k in ("build_seconds", "engine_bytes") if k in built}
@@ -131,12 +141,7 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
     with tracking.pipeline_run(spec, run_name, params={"file": file, "force": force}) as parent_run_id:
         outcomes = [build_candidate(spec, c, store, memo, force) for c in candidates]
         champions = {t: tracking.champion(spec, t) for t in {c.target for c in candidates}}
-        for outcome in outcomes:
-            if outcome.status != "failed":
-                gate_task.with_options(task_run_name=f"{outcome.candidate.name}/gate")(
-                    spec, outcome, champions[outcome.candidate.target])
-            outcome.run_id = track_task.with_options(task_run_name=f"{outcome.candidate.name}/track")(
-                parent_run_id, spec, outcome)
+        outcomes = [_judge_and_track(spec, o, champions[o.candidate.target], parent_run_id) for o in outcomes]
         try:
             outcomes = promote_task(spec, outcomes)
             package_task(spec, outcomes)

@@ -90,6 +90,12 @@ def test_run_promotes_records_notifies_and_reruns_cached(
     assert code == 0
     for candidate in again["candidates"]:
         assert all(stage["cached"] for stage in candidate["stages"].values()), candidate["stages"]
+        assert len(candidate["gates"]) == 4 and candidate["metrics"]["p99_ms"] > 0, candidate["gates"]
+    still_champion = by_name(again)[promoted["candidate"]]
+    assert still_champion["status"] == "passed", "an engine already holding the alias is not promoted again"
+    assert still_champion["model_version"] == promoted["model_version"]
+    assert all(g["passed"] for g in still_champion["gates"])
+    assert len(webhook_receiver.events) == 1, "nothing changed: no second announcement"
     assert any(n.endswith("/build") for n in cached_task_runs())
     table = json.loads(prefect_table(f"{name}-candidates"))
     assert {row["candidate"] for row in table} == set(candidates)
