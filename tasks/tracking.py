@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlflow
 import pandas as pd
@@ -26,16 +26,13 @@ from tasks.outcome import CandidateOutcome
 from tasks.spec import PipelineSpec
 from tasks.store import MANIFEST, StageResult
 
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
 GATE_POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "throughput", "speedup_vs_reference")
 POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput", "tokens_per_s",
                  "reference_p50_ms", "reference_p99_ms", "reference_throughput", "speedup_vs_reference")
 DECODE_METRICS = ("p50_ms", "p99_ms", "reference_p50_ms", "speedup_vs_reference")
 BUILD_METRICS = ("build_seconds", "engine_bytes")
-REPORT_FILES = {"validate": ("report.json",), "accuracy": ("per_sample.csv",),
-                "benchmark": ("samples.csv", "latency.png")}
+REPORT_FILES = {"validate": ("report.json",), "accuracy": ("per_sample.csv", "three_way.json"),
+                "benchmark": ("samples.csv",)}
 MAX_PARAM_CHARS = 6000
 MAX_TAG_CHARS = 8000
 
@@ -175,10 +172,11 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
     try:
         mlflow.log_params(candidate_params(spec, outcome))
         mlflow.log_metrics(metrics)
+        _log_engine(spec, outcome)
         _log_stage_files(outcome.stages)
         _log_tables(outcome.stages)
-        if figure := _latency_figure(outcome.stages.get("benchmark")):
-            mlflow.log_figure(figure, "plots/latency.png")
+        if (benchmark := outcome.stages.get("benchmark")) and benchmark.file("latency.png").is_file():
+            mlflow.log_artifact(str(benchmark.file("latency.png")), "plots")
         mlflow.log_text(engine_card(spec, outcome, metrics), "engine_card.md")
         _log_datasets(spec, outcome)
         status = "FAILED" if outcome.status == "failed" else "FINISHED"
@@ -187,9 +185,20 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
     return run.info.run_id
 
 
-def _log_stage_files(stages: dict[str, StageResult]) -> None:
-    if build := stages.get("build"):
+def _log_engine(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
+    """Upload the engine unless the registry already holds this exact one: nightly re-runs add no copies."""
+    build = outcome.stages.get("build")
+    if build is None:
+        return
+    name = registered_model_name(spec.name, outcome.candidate.target)
+    holder = find_versions(name, {"cache_key": build.key}) if build.cached else []
+    if holder:
+        mlflow.set_tag("engine_source", f"models:/{name}/{holder[-1].version}")
+    else:
         mlflow.log_artifacts(str(build.path), "engine")
+
+
+def _log_stage_files(stages: dict[str, StageResult]) -> None:
     for name, stage in stages.items():
         if name == "build":
             continue
@@ -208,30 +217,6 @@ def _log_tables(stages: dict[str, StageResult]) -> None:
         mlflow.log_table(pd.DataFrame(benchmark.outputs["decode"]), "tables/benchmark_decode.json")
     if benchmark and benchmark.file("samples.csv").is_file():
         mlflow.log_table(pd.read_csv(benchmark.file("samples.csv")), "tables/benchmark_samples.json")
-
-
-def _latency_figure(benchmark: StageResult | None) -> Figure | None:
-    """Latency distributions per (batch, seq), engine beside the PyTorch reference.
-
-    Built without pyplot so logging never touches the process-wide matplotlib backend.
-    """
-    if benchmark is None or not benchmark.file("samples.csv").is_file():
-        return None
-    samples = pd.read_csv(benchmark.file("samples.csv"))
-    if samples.empty:
-        return None
-    from matplotlib.figure import Figure
-
-    groups = [(f"b{b} s{s}\n{engine}", ms.to_numpy())
-              for (b, s, engine), ms in samples.groupby(["batch", "seq", "engine"], sort=True)["ms"]]
-    figure = Figure(figsize=(max(4.0, 1.2 * len(groups)), 4))
-    axes = figure.subplots()
-    axes.boxplot([ms for _, ms in groups], showfliers=False)
-    axes.set_xticks(range(1, len(groups) + 1), [label for label, _ in groups])
-    axes.set_ylabel("latency (ms)")
-    axes.set_title(f"{benchmark.pipeline} latency per batch and sequence length")
-    figure.tight_layout()
-    return figure
 
 
 def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str, float]) -> str:

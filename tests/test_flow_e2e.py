@@ -96,6 +96,9 @@ def test_run_promotes_records_notifies_and_reruns_cached(
     assert still_champion["model_version"] == promoted["model_version"]
     assert all(g["passed"] for g in still_champion["gates"])
     assert len(webhook_receiver.events) == 1, "nothing changed: no second announcement"
+    rerun = client.get_run(still_champion["mlflow_run_id"])
+    assert rerun.data.tags["engine_source"] == f"models:/{name}-cpu/{promoted['model_version']}"
+    assert not client.list_artifacts(rerun.info.run_id, "engine"), "the registry already holds this engine"
     assert any(n.endswith("/build") for n in cached_task_runs())
     table = json.loads(prefect_table(f"{name}-candidates"))
     assert {row["candidate"] for row in table} == set(candidates)
