@@ -7,6 +7,7 @@ Exit codes: 0 every stage ran (a candidate a gate rejected is a result, not an e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -91,8 +92,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     pipelines = args.pipeline or sorted({c.pipeline for c in selected}, key=list(specs.pipelines).index)
     progress.message(f"smelter: {len(selected)} candidates in {len(pipelines)} pipelines")
-    summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
-                             targets=args.target or None, force=args.force, artifacts=args.artifacts)
+    with contextlib.redirect_stdout(sys.stderr):  # libraries print (MLflow's run links); stdout is the summary's
+        summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
+                                 targets=args.target or None, force=args.force, artifacts=args.artifacts)
     failed = [s for s in summaries if s["status"] == "failed"]
     if args.json:
         print(json.dumps({"file": args.file, "ok": not failed, "candidates": summaries}, indent=2, default=str))
