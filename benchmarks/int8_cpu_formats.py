@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,15 +23,15 @@ import onnxruntime as ort
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from tasks import spec as spec_module
+from tasks.accuracy import cosine, mean_pool
+from tasks.export import run_export
+from tasks.inputs import encoder_feeds, read_texts, reference_outputs
+from tasks.models import load_reference, load_tokenizer
+from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, run_precision
+from tasks.store import ArtifactStore
 
-from tasks import spec as spec_module  # noqa: E402
-from tasks.export import run_export  # noqa: E402
-from tasks.inputs import encoder_feeds, read_texts, reference_outputs  # noqa: E402
-from tasks.models import load_reference, load_tokenizer  # noqa: E402
-from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, run_precision  # noqa: E402
-from tasks.store import ArtifactStore  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _spec(root: Path, args: argparse.Namespace, cpu_format: str) -> spec_module.PipelineSpec:
@@ -50,15 +49,6 @@ def _spec(root: Path, args: argparse.Namespace, cpu_format: str) -> spec_module.
     path = root / f"pipelines-{cpu_format}.yaml"
     path.write_text(yaml.safe_dump({"pipelines": {"minilm": pipeline}}))
     return spec_module.load(path).pipelines["minilm"]
-
-
-def _pooled(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    weights = mask[..., None].astype(np.float32)
-    return (hidden * weights).sum(1) / weights.sum(1)
-
-
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def _session_runner(path: Path, threads: int) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
@@ -110,9 +100,9 @@ def main() -> None:
         }
         cosines: dict[str, list[float]] = {name: [] for name in engines}
         for feeds in batches:
-            truth = _pooled(eager(feeds), feeds["attention_mask"])
+            truth = mean_pool(eager(feeds), feeds["attention_mask"])
             for name, run in engines.items():
-                cosines[name].extend(_cosines(truth, _pooled(run(feeds), feeds["attention_mask"])))
+                cosines[name].extend(cosine(truth, mean_pool(run(feeds), feeds["attention_mask"])))
         cosines = {name: values[:len(texts)] for name, values in cosines.items()}
 
         timings: dict[str, list[float]] = {name: [] for name in engines}

@@ -95,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # libraries print (MLflow's run links); stdout is the summary's
         summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
                                  targets=args.target or None, force=args.force, artifacts=args.artifacts)
-    failed = [s for s in summaries if s["status"] == "failed"]
+    failed = [s for s in summaries if s["status"] == "failed" or s["error"]]
     if args.json:
         print(json.dumps({"file": args.file, "ok": not failed, "candidates": summaries}, indent=2, default=str))
     else:
@@ -111,7 +111,7 @@ def cmd_notify(args: argparse.Namespace) -> int:
     results = retry_pending(list(_load(args.file).pipelines.values()))
     for r in results:
         print(json.dumps(r, default=str))
-    return EXIT_FAILED if any(r.get("status") != "delivered" for r in results) else EXIT_OK
+    return EXIT_FAILED if any(r.get("status") not in ("delivered", "abandoned") for r in results) else EXIT_OK
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:

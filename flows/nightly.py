@@ -7,9 +7,11 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from flows import progress
 from flows.pipeline import pipeline_flow
 from tasks import notify
-from tasks.spec import load
+from tasks.outcome import CandidateOutcome
+from tasks.spec import PipelineSpec, load
 
 
 @task(name="retry-pending-webhooks", cache_policy=NO_CACHE, persist_result=False)
@@ -18,15 +20,30 @@ def retry_pending_task(file: str) -> list[dict[str, Any]]:
     return notify.retry_pending(list(load(file).pipelines.values()))
 
 
+def _failed_pipeline(spec: PipelineSpec, precisions: list[str] | None, targets: list[str] | None,
+                     error: Exception) -> list[dict[str, Any]]:
+    """What a pipeline that crashed outside its stages reports: each selected candidate failed, with why."""
+    message = f"pipeline {spec.name} failed: {type(error).__name__}: {error}"
+    return [CandidateOutcome(c, "failed", error=message, failed_stage="pipeline").summary()
+            for c in spec.candidates() if (not precisions or c.precision in precisions)
+            and (not targets or c.target in targets)]
+
+
 @flow(name="smelter-nightly", flow_run_name="nightly")
 def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = None,
                  precisions: list[str] | None = None, targets: list[str] | None = None,
                  force: bool = False, artifacts: str = "artifacts") -> list[dict[str, Any]]:
     """Build every selected candidate of every selected pipeline; returns one summary per candidate."""
     specs = load(file)
-    retry_pending_task(file)
+    try:
+        retry_pending_task(file)
+    except Exception as e:  # noqa: BLE001 - old events stay pending; tonight's builds still run
+        progress.message(f"warning: retrying pending webhook events failed: {type(e).__name__}: {e}")
     summaries: list[dict[str, Any]] = []
     for name in pipelines or list(specs.pipelines):
-        summaries += pipeline_flow(file, name, precisions=precisions, targets=targets, force=force,
-                                   artifacts=artifacts)
+        try:
+            summaries += pipeline_flow(file, name, precisions=precisions, targets=targets, force=force,
+                                       artifacts=artifacts)
+        except Exception as e:  # noqa: BLE001 - one broken pipeline (MLflow down, ...) does not stop the others
+            summaries += _failed_pipeline(specs.pipelines[name], precisions, targets, e)
     return summaries

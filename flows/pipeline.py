@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from flows import progress
 from flows.stages import accuracy_task, benchmark_task, build_task, export_task, precision_task, validate_task
 from tasks import gates, notify, promote, tracking, triton
+from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.spec import Candidate, PipelineSpec, load
 from tasks.store import ArtifactStore, StageResult
@@ -79,10 +80,9 @@ def build_candidate(spec: PipelineSpec, candidate: Candidate, store: ArtifactSto
 
 @task(name="gate", cache_policy=NO_CACHE, persist_result=False)
 def gate_task(spec: PipelineSpec, outcome: CandidateOutcome, champion: dict[str, Any] | None) -> CandidateOutcome:
-    accuracy = outcome.stages["accuracy"].outputs
-    benchmark = outcome.stages["benchmark"].outputs
-    outcome.metrics = gates.candidate_metrics(accuracy, benchmark) | _build_metrics(outcome)
-    outcome.gates = gates.evaluate(spec, accuracy, benchmark, champion)
+    measured = stage_metrics(outcome.stages)
+    outcome.metrics = key_metrics(measured)
+    outcome.gates = gates.evaluate(spec, measured, outcome.stages["accuracy"].outputs.get("validity"), champion)
     outcome.status = "passed" if outcome.passed_gates else "rejected"
     return outcome
 
@@ -93,13 +93,11 @@ def _judge_and_track(spec: PipelineSpec, outcome: CandidateOutcome, champion: di
     name = outcome.candidate.name
     if outcome.status != "failed":
         outcome = gate_task.with_options(task_run_name=f"{name}/gate")(spec, outcome, champion)
-    outcome.run_id = track_task.with_options(task_run_name=f"{name}/track")(parent_run_id, spec, outcome)
+    try:
+        outcome.run_id = track_task.with_options(task_run_name=f"{name}/track")(parent_run_id, spec, outcome)
+    except Exception as e:  # noqa: BLE001 - an unrecorded candidate may not be promoted; the others go on
+        _fail(outcome, "track", e)
     return outcome
-
-
-def _build_metrics(outcome: CandidateOutcome) -> dict[str, float]:
-    built = outcome.stages["build"].outputs
-    return {k: float(built[k]) for k in ("build_seconds", "engine_bytes") if k in built}
 
 
 @task(name="track", cache_policy=NO_CACHE, persist_result=False)
@@ -112,7 +110,7 @@ def promote_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[C
     return promote.promote(spec, outcomes)
 
 
-@task(name="notify", cache_policy=NO_CACHE, persist_result=False, retries=0)
+@task(name="notify", cache_policy=NO_CACHE, persist_result=False)
 def notify_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[dict[str, Any]]:
     return notify.notify_promotions(spec, outcomes)
 
@@ -135,7 +133,7 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
     candidates = [c for c in spec.candidates() if (not precisions or c.precision in precisions)
                   and (not targets or c.target in targets)]
     store = ArtifactStore(artifacts)
-    store.clean_temp()
+    store.clean_temp(pipeline)
     memo = _Memo()
     run_name = f"{pipeline}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     with tracking.pipeline_run(spec, run_name, params={"file": file, "force": force}) as parent_run_id:
@@ -144,12 +142,15 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
         outcomes = [_judge_and_track(spec, o, champions[o.candidate.target], parent_run_id) for o in outcomes]
         try:
             outcomes = promote_task(spec, outcomes)
-            package_task(spec, outcomes)
-            notify_task(spec, outcomes)
-        except Exception as e:  # noqa: BLE001 - a registry failure fails the passing candidates, loses nothing
-            _fail_passing(outcomes, "promote", e)
+        except Exception as e:  # noqa: BLE001 - promotion rolled back: its candidates failed, the alias did not move
+            for outcome in outcomes:
+                if outcome.status == "passed":
+                    _fail(outcome, "promote", e)
+        else:
+            _after_promotion(spec, outcomes)
         for outcome in outcomes:
-            tracking.finish_candidate(outcome.run_id, outcome)
+            if outcome.run_id:
+                tracking.finish_candidate(outcome.run_id, outcome)
             progress.candidate_done(outcome.candidate.name, outcome.status,
                                     [outcome.error] if outcome.error else outcome.gate_reasons)
     _publish(pipeline, outcomes)
@@ -168,10 +169,22 @@ def _publish(pipeline: str, outcomes: list[CandidateOutcome]) -> None:
                           description=f"Candidates of pipeline {pipeline}: status, key metrics, gate reasons")
 
 
-def _fail_passing(outcomes: list[CandidateOutcome], stage: str, error: Exception) -> None:
-    progress.stage_failed("promotion", stage, "".join(traceback.format_exception_only(error)).strip())
-    for outcome in outcomes:
-        if outcome.status in ("passed", "promoted"):
-            outcome.status = "failed"
-            outcome.failed_stage = stage
-            outcome.error = f"{stage} failed: {type(error).__name__}: {error}"
+def _after_promotion(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> None:
+    """Package and announce. The alias has moved by now, so a failure here is reported on the promoted
+    candidates without undoing their promotion; an unsent event stays pending for `smelter notify --retry`."""
+    for stage, stage_task in (("package", package_task), ("notify", notify_task)):
+        try:
+            stage_task(spec, outcomes)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            progress.stage_failed("promotion", stage, f"{type(e).__name__}: {e}")
+            for outcome in outcomes:
+                if outcome.status == "promoted":
+                    outcome.failed_stage = stage
+                    outcome.error = f"{stage} failed after promotion: {type(e).__name__}: {e}"
+
+
+def _fail(outcome: CandidateOutcome, stage: str, error: Exception) -> None:
+    progress.stage_failed(outcome.candidate.name, stage, "".join(traceback.format_exception_only(error)).strip())
+    outcome.status = "failed"
+    outcome.failed_stage = stage
+    outcome.error = f"{stage} failed: {type(error).__name__}: {error}"

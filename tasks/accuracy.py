@@ -16,7 +16,7 @@ import pandas as pd
 
 from tasks.backends.base import Runner
 from tasks.build import open_engine
-from tasks.inputs import decoder_feeds, encoder_feeds, read_texts, reference_outputs
+from tasks.inputs import decoder_feeds, encoder_feeds, point_feeds, read_texts, reference_outputs
 from tasks.models import load_reference, load_tokenizer
 from tasks.spec import PipelineSpec, ProfileSpec
 from tasks.store import ArtifactStore, StageResult, file_digest, stage_key, tool_versions
@@ -77,16 +77,17 @@ def _eval_profile(spec: PipelineSpec) -> ProfileSpec:
 
 def _chunks(texts: list[str], batch: int) -> list[tuple[int, list[str]]]:
     """Consecutive groups of `batch` texts; the last one is topped up by cycling so shapes stay fixed."""
-    return [(start, texts[start:] + texts[:start]) for start in range(0, len(texts), batch)]
+    return [(start, [texts[(start + i) % len(texts)] for i in range(batch)]) for start in range(0, len(texts), batch)]
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise cosine similarity (float64, so near-1.0 values are not rounded to 1)."""
     a, b = a.astype(np.float64), b.astype(np.float64)
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
-def _mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Sentence embeddings as sentence encoders return them: token states averaged over the attention mask."""
     weights = mask[..., None].astype(np.float64)
     return (hidden * weights).sum(1) / np.maximum(weights.sum(1), 1.0)
 
@@ -105,13 +106,13 @@ def _encoder_accuracy(spec: PipelineSpec, runner: Runner, tokenizer: Any, refere
             row = {"sample": start + i, "text": chunk[i], "tokens": int(mask[i].sum())}
             if task == "text-classification":
                 row |= {"label": int(engine[i].argmax()), "reference_label": int(expected[i].argmax()),
-                        "cosine": float(_cosine(engine[i], expected[i])),
+                        "cosine": float(cosine(engine[i], expected[i])),
                         "max_abs_error": float(np.abs(engine[i] - expected[i]).max())}
             else:
                 valid = mask[i].astype(bool)
-                pooled = _mean_pool(engine[i:i + 1], mask[i:i + 1])
-                pooled_ref = _mean_pool(expected[i:i + 1], mask[i:i + 1])
-                row |= {"cosine": float(_cosine(pooled, pooled_ref)[0]),
+                pooled = mean_pool(engine[i:i + 1], mask[i:i + 1])
+                pooled_ref = mean_pool(expected[i:i + 1], mask[i:i + 1])
+                row |= {"cosine": float(cosine(pooled, pooled_ref)[0]),
                         "max_abs_error": float(np.abs(engine[i][valid] - expected[i][valid]).max())}
             rows.append(row)
     table = pd.DataFrame(rows)
@@ -161,15 +162,6 @@ def _decoder_accuracy(spec: PipelineSpec, runner: Runner, tokenizer: Any, refere
     return table, metrics
 
 
-def point_feeds(spec: PipelineSpec, runner: Runner, tokenizer: Any, reference: torch.nn.Module, texts: list[str],
-                shape: dict[str, int]) -> dict[str, np.ndarray]:
-    """Real inputs at one profile shape point."""
-    if spec.model.is_decoder:
-        return decoder_feeds(tokenizer, reference, texts, shape["batch"], shape["seq"], shape.get("past", 0),
-                             runner.input_names)
-    return encoder_feeds(tokenizer, texts, shape["batch"], shape["seq"], runner.input_names)
-
-
 def three_way(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore, runner: Runner, tokenizer: Any,
               reference: torch.nn.Module, texts: list[str]) -> dict[str, Any] | None:
     """For TensorRT engines: FP32 ONNX vs precision ONNX vs engine at min/opt/max (where an error comes from).
@@ -184,7 +176,7 @@ def three_way(spec: PipelineSpec, build_result: StageResult, store: ArtifactStor
     exported = precision and store.lookup(spec.name, "export", precision.manifest["inputs"]["export"])
     if not exported:
         raise FileNotFoundError(f"the ONNX graphs engine {build_result.key} was built from are gone from the store")
-    feeds = {point: point_feeds(spec, runner, tokenizer, reference, texts, shape)
+    feeds = {point: point_feeds(spec, tokenizer, reference, texts, shape, runner.input_names)
              for point, shape in spec.profiles[0].shapes().items()}
     return compare_three_way(exported.file("model.onnx"), precision.file("model.onnx"), runner, feeds,
                              spec.validation.atol, spec.validation.rtol)
@@ -199,7 +191,7 @@ def check_validity(spec: PipelineSpec, runner: Runner, tokenizer: Any, reference
     for index, profile in enumerate(spec.profiles):
         for point, shape in profile.shapes().items():
             where = f"profile {index} {point} {shape}"
-            feeds = point_feeds(spec, runner, tokenizer, reference, texts, shape)
+            feeds = point_feeds(spec, tokenizer, reference, texts, shape, runner.input_names)
             try:
                 outputs = runner.infer(feeds)
             except Exception as e:  # an engine that cannot run at a profile point is invalid, not a crash

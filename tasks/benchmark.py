@@ -20,7 +20,7 @@ import pandas as pd
 
 from tasks.backends.base import Runner
 from tasks.build import open_engine
-from tasks.inputs import PAST_PREFIX, decoder_feeds, encoder_feeds, read_texts
+from tasks.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read_texts
 from tasks.models import load_reference, load_tokenizer
 from tasks.spec import PipelineSpec
 from tasks.store import ArtifactStore, StageResult, file_digest, host_facts, stage_key, tool_versions
@@ -165,13 +165,11 @@ class _Bench:
         self.timed_reference = reference if device == "cpu" else copy.deepcopy(reference).to(device)
 
     def feeds(self, batch: int, seq: int, past: int) -> dict[str, np.ndarray]:
-        if not self.spec.model.is_decoder:
-            return encoder_feeds(self.tokenizer, self.texts, batch, seq, self.runner.input_names)
-        if not self.spec.model.has_past and past:
+        if past and not self.spec.model.has_past:
             # Without a KV cache a decode step re-reads the whole prefix: past + 1 tokens, no cache.
-            return decoder_feeds(self.tokenizer, self.reference, self.texts, batch, past + 1, 0,
-                                 self.runner.input_names)
-        return decoder_feeds(self.tokenizer, self.reference, self.texts, batch, seq, past, self.runner.input_names)
+            seq, past = past + 1, 0
+        return point_feeds(self.spec, self.tokenizer, self.reference, self.texts,
+                           {"batch": batch, "seq": seq, "past": past}, self.runner.input_names)
 
     def measure(self, batch: int, seq: int, past: int) -> Measurement:
         feeds = self.feeds(batch, seq, past)
@@ -210,23 +208,15 @@ def reference_call(model: torch.nn.Module, feeds: dict[str, np.ndarray], task: s
     On a GPU each call waits for the device, so host timing measures the work, not the launch.
     """
     import torch
-    from transformers.cache_utils import DynamicCache
 
-    def tensor(name: str) -> torch.Tensor:
-        return torch.from_numpy(feeds[name]).to(device)
-
-    tensors = {name: tensor(name) for name in feeds if not name.startswith(PAST_PREFIX)}
-    layers = []
-    while f"{PAST_PREFIX}{len(layers)}.key" in feeds:
-        i = len(layers)
-        layers.append((tensor(f"{PAST_PREFIX}{i}.key"), tensor(f"{PAST_PREFIX}{i}.value")))
-    with_cache = bool(layers) and layers[0][0].shape[2] > 0
+    tensors = {name: torch.from_numpy(value).to(device) for name, value in feeds.items()
+               if not name.startswith(PAST_PREFIX)}
+    layers = past_layers(feeds, device)
 
     @torch.inference_mode()
     def forward() -> Any:
         if task == "text-generation-with-past":
-            cache = DynamicCache.from_legacy_cache(tuple(layers)) if with_cache else None
-            return model(**tensors, past_key_values=cache, use_cache=True)
+            return model(**tensors, past_key_values=past_cache(layers), use_cache=True)
         if task == "text-generation":
             return model(**tensors, use_cache=False)
         return model(**tensors)

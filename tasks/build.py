@@ -24,17 +24,22 @@ class BuildUnavailable(BackendUnavailable):
 
 def build_key(precision_result: StageResult, target: TargetSpec, backend: Backend,
               profiles: list[ProfileSpec]) -> str:
-    """Hash of the precision graph, the target's settings and profiles, the backend version, this machine."""
-    return stage_key("build", upstream={"precision": precision_result.key},
-                     config=_build_config(target, profiles),
-                     tools={backend.name: backend.version(), **tool_versions("onnx")},
-                     hardware=backend.hardware(target))
+    """Hash of the precision graph, the target and its profiles, the backend version, this machine."""
+    return _build_inputs(precision_result, target, backend, profiles)[0]
 
 
-def _build_config(target: TargetSpec, profiles: list[ProfileSpec]) -> dict[str, Any]:
-    """The target's settings (its name is only a label) and the shape profiles engines are built for."""
-    return {"target": target.model_dump(mode="json", exclude={"name"}),
-            "profiles": [p.model_dump(mode="json") for p in profiles]}
+def _build_inputs(precision_result: StageResult, target: TargetSpec, backend: Backend,
+                  profiles: list[ProfileSpec]) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """The key and what it hashes (recorded in the manifest), computed once.
+
+    The target's name is part of it: an engine records the target it was built for, and its
+    runner and benchmark read that target's settings back.
+    """
+    config = {"target": target.model_dump(mode="json"), "profiles": [p.model_dump(mode="json") for p in profiles]}
+    tools = {backend.name: backend.version(), **tool_versions("onnx")}
+    key = stage_key("build", upstream={"precision": precision_result.key}, config=config, tools=tools,
+                    hardware=backend.hardware(target))
+    return key, config, tools
 
 
 def run_build(spec: PipelineSpec, precision_result: StageResult, target_name: str, store: ArtifactStore,
@@ -46,7 +51,7 @@ def run_build(spec: PipelineSpec, precision_result: StageResult, target_name: st
     if why:
         raise BuildUnavailable(f"pipeline {spec.name}, target {target.name} ({backend.name}): cannot build "
                                f"here: {why}")
-    key = build_key(precision_result, target, backend, list(spec.profiles))
+    key, config, tools = _build_inputs(precision_result, target, backend, list(spec.profiles))
     if not force and (hit := store.lookup(spec.name, "build", key)):
         return hit
     source = backend.source_model(precision_result.path)
@@ -55,28 +60,19 @@ def run_build(spec: PipelineSpec, precision_result: StageResult, target_name: st
                                 f"target {target.name} from")
     cache_dir = store.root / CACHE_DIR / backend.name
     cache_dir.mkdir(parents=True, exist_ok=True)
-    config = _build_config(target, list(spec.profiles))
     with store.writing(spec.name, "build", key, inputs={"precision": precision_result.key}, config=config,
-                       tools={backend.name: backend.version(), **tool_versions("onnx")}) as w:
+                       tools=tools) as w:
         started = time.perf_counter()
         facts = backend.build(source, target, list(spec.profiles), w.dir, cache_dir)
         build_seconds = time.perf_counter() - started
-        engine = w.dir / backend.engine_file
-        if not engine.is_file():
+        if not (w.dir / backend.engine_file).is_file():
             raise RuntimeError(f"backend {backend.name} did not write its engine {backend.engine_file} "
                                f"for target {target.name}")
+        w.outputs.update({"backend": backend.name, "backend_version": backend.version(),
+                          "engine_file": backend.engine_file, "hardware": backend.hardware(target)})
         w.outputs.update(facts)
-        w.outputs.update({
-            "backend": backend.name,
-            "backend_version": backend.version(),
-            "engine_file": backend.engine_file,
-            "engine_bytes": sum(p.stat().st_size for p in w.dir.rglob("*") if p.is_file()),
-            "build_seconds": round(build_seconds, 3),
-            "hardware": backend.hardware(target),
-            "target": target.name,
-            "precision": precision_result.outputs.get("precision"),
-            "source_model": source.name,
-        })
+        w.outputs.update({"build_seconds": round(build_seconds, 3), "target": target.name,
+                          "precision": precision_result.outputs.get("precision"), "source_model": source.name})
     return w.result
 
 

@@ -23,20 +23,24 @@ TOOLS = ("torch", "transformers", "optimum", "optimum-onnx", "onnx")
 
 
 def export_key(spec: PipelineSpec) -> str:
-    return stage_key("export", upstream=model_source_digest(spec),
-                     config={"task": spec.model.task, "opset": spec.export.opset}, tools=tool_versions(*TOOLS))
+    return _export_inputs(spec)[0]
+
+
+def _export_inputs(spec: PipelineSpec) -> tuple[str, str, dict[str, Any]]:
+    """The key, the model's identity and the config it hashes: computed once (hashing weights costs time)."""
+    source = model_source_digest(spec)
+    config = {"task": spec.model.task, "opset": spec.export.opset}
+    return stage_key("export", upstream=source, config=config, tools=tool_versions(*TOOLS)), source, config
 
 
 def run_export(spec: PipelineSpec, store: ArtifactStore, force: bool = False) -> StageResult:
     """Export the model to artifacts/<pipeline>/export/<key>/model.onnx with its tokenizer and config."""
-    key, opset = export_key(spec), spec.export.opset
+    key, source, config = _export_inputs(spec)
     if not force and (hit := store.lookup(spec.name, "export", key)):
         return hit
-    source = model_source_digest(spec)
-    config = {"task": spec.model.task, "opset": opset}
     with store.writing(spec.name, "export", key, inputs={"model_source": source}, config=config,
                        tools=tool_versions(*TOOLS)) as w:
-        _export(spec, w.dir, opset)
+        _export(spec, w.dir, spec.export.opset)
         load_tokenizer(spec).save_pretrained(w.dir)
         w.outputs.update(describe_onnx(w.dir / ONNX_FILE) | {"task": spec.model.task, "model_source": source})
     return w.result

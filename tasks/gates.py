@@ -16,18 +16,6 @@ HIGHER_IS_BETTER = ("cosine_mean", "cosine_min", "label_agreement", "top1_agreem
                     "speedup_vs_reference")
 
 
-def candidate_metrics(accuracy: dict[str, Any] | None, benchmark: dict[str, Any] | None) -> dict[str, float]:
-    """Flatten stage outputs into the metric names gates and MLflow share."""
-    metrics: dict[str, float] = {}
-    if accuracy:
-        metrics |= {f"accuracy.{k}": float(v) for k, v in accuracy.get("metrics", {}).items()}
-    if benchmark and benchmark.get("gate_point"):
-        point = benchmark["gate_point"]
-        metrics |= {k: float(point[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "throughput",
-                                                    "speedup_vs_reference") if k in point}
-    return metrics
-
-
 def _check(name: str, thresholds: dict[str, Threshold], values: dict[str, float]) -> GateResult:
     reasons = []
     for metric, threshold in thresholds.items():
@@ -39,10 +27,9 @@ def _check(name: str, thresholds: dict[str, Threshold], values: dict[str, float]
     return GateResult(name, not reasons, tuple(reasons))
 
 
-def validity_gate(accuracy: dict[str, Any] | None) -> GateResult:
-    if not accuracy or "validity" not in accuracy:
+def validity_gate(validity: dict[str, Any] | None) -> GateResult:
+    if not validity:
         return GateResult("validity", False, ("validity was not checked",))
-    validity = accuracy["validity"]
     reasons = list(validity.get("problems", []))
     if not validity.get("finite", False) and not reasons:
         reasons.append("outputs contain NaN or Inf")
@@ -75,13 +62,12 @@ def champion_gate(spec: PipelineSpec, metrics: dict[str, float], champion: dict[
     return GateResult("champion", not reasons, tuple(reasons))
 
 
-def evaluate(spec: PipelineSpec, accuracy: dict[str, Any] | None, benchmark: dict[str, Any] | None,
+def evaluate(spec: PipelineSpec, metrics: dict[str, float], validity: dict[str, Any] | None,
              champion: dict[str, Any] | None) -> list[GateResult]:
-    """All gates for one candidate, in the order a user reads them."""
-    metrics = candidate_metrics(accuracy, benchmark)
+    """All gates for one candidate (metrics named as in tasks.metrics), in the order a user reads them."""
     accuracy_values = {k.removeprefix("accuracy."): v for k, v in metrics.items() if k.startswith("accuracy.")}
     return [
-        validity_gate(accuracy),
+        validity_gate(validity),
         _check("accuracy", spec.accuracy.gates, accuracy_values),
         _check("performance", spec.performance.gates, metrics),
         champion_gate(spec, metrics, champion),

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     import torch
     from transformers.cache_utils import DynamicCache
 
+    from tasks.spec import PipelineSpec
+
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."
 
@@ -121,18 +123,34 @@ def decoder_feeds(tokenizer: Any, reference_model: torch.nn.Module, texts: list[
     return {name: np.ascontiguousarray(all_feeds[name]) for name in names}
 
 
-def _past_cache(feeds: dict[str, np.ndarray]) -> DynamicCache | None:
+def point_feeds(spec: PipelineSpec, tokenizer: Any, reference_model: torch.nn.Module, texts: list[str],
+                shape: dict[str, int], input_names: Iterable[str]) -> dict[str, np.ndarray]:
+    """Feeds at one profile shape point ({"batch", "seq"} and, for decoders with a KV cache, "past")."""
+    if spec.model.is_decoder:
+        return decoder_feeds(tokenizer, reference_model, texts, shape["batch"], shape["seq"], shape.get("past", 0),
+                             input_names)
+    return encoder_feeds(tokenizer, texts, shape["batch"], shape["seq"], input_names)
+
+
+def past_layers(feeds: dict[str, np.ndarray], device: str = "cpu") -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """The KV cache in `feeds` as (key, value) tensors per layer on `device`; empty when there is no past."""
     import torch
-    from transformers.cache_utils import DynamicCache
 
     layers = []
     while f"{PAST_PREFIX}{len(layers)}.key" in feeds:
         i = len(layers)
-        layers.append((torch.from_numpy(feeds[f"{PAST_PREFIX}{i}.key"]),
-                       torch.from_numpy(feeds[f"{PAST_PREFIX}{i}.value"])))
+        layers.append((torch.from_numpy(feeds[f"{PAST_PREFIX}{i}.key"]).to(device),
+                       torch.from_numpy(feeds[f"{PAST_PREFIX}{i}.value"]).to(device)))
     if not layers or layers[0][0].shape[2] == 0:
-        return None
-    return DynamicCache.from_legacy_cache(tuple(layers))
+        return ()
+    return tuple(layers)
+
+
+def past_cache(layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> DynamicCache | None:
+    """A fresh cache over `layers` (forward extends a cache in place, so each call needs its own); None for no past."""
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache.from_legacy_cache(layers) if layers else None
 
 
 def reference_outputs(reference_model: torch.nn.Module, feeds: dict[str, np.ndarray],
@@ -145,7 +163,7 @@ def reference_outputs(reference_model: torch.nn.Module, feeds: dict[str, np.ndar
     with torch.inference_mode():
         if task in ("text-generation", "text-generation-with-past"):
             with_past = task == "text-generation-with-past"
-            out = reference_model(**tensors, past_key_values=_past_cache(feeds) if with_past else None,
+            out = reference_model(**tensors, past_key_values=past_cache(past_layers(feeds)) if with_past else None,
                                   use_cache=with_past)
             outputs = {"logits": out.logits}
             if with_past:

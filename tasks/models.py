@@ -56,8 +56,19 @@ def load_reference(spec: PipelineSpec) -> torch.nn.Module:
 
 
 def model_source_digest(spec: PipelineSpec) -> str:
-    """The model's identity: a hash of the local files, or the pinned hub id and revision."""
+    """The model's identity: a hash of the local files, or the hub commit the revision points at now.
+
+    Resolving a branch like `main` to its commit is what makes a model pushed overnight rebuild.
+    Offline, the revision name is all there is.
+    """
     model_dir = spec.model_dir
     if model_dir is not None:
         return tree_digest(model_dir)
-    return f"hub:{spec.model.id}@{spec.model.revision}"
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        commit = HfApi().model_info(spec.model.id, revision=spec.model.revision).sha
+    except (OSError, HfHubHTTPError):
+        commit = None
+    return f"hub:{spec.model.id}@{commit or spec.model.revision}"

@@ -14,6 +14,9 @@ Signing follows MLflow's own webhooks. Headers:
 
 A receiver checks them with `verify_signature(secret, request.headers, raw_body)`. The secret comes
 only from the environment variable the webhook names; it is never logged nor stored in MLflow.
+Nor is the webhook URL, which may carry a token: MLflow holds `tracking.redacted_url`, whose hash
+finds the configured webhook again at retry time. An event whose webhook was removed from
+pipelines.yaml (or whose URL changed) is `abandoned`: nothing can send it any more.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from datetime import UTC, datetime
 import httpx
 
 from tasks import tracking
+from tasks.metrics import key_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.spec import PipelineSpec, WebhookSpec
 
@@ -97,7 +101,7 @@ class Delivery:
     webhook: int
     url: str
     delivery_id: str
-    status: str  # delivered | pending | skipped
+    status: str  # delivered | pending | abandoned (its webhook is no longer configured)
     attempts: int
     last_error: str
 
@@ -109,7 +113,7 @@ def promotion_event(spec: PipelineSpec, outcome: CandidateOutcome, registered_mo
     return {"event": EVENT, "pipeline": candidate.pipeline, "target": candidate.target,
             "precision": candidate.precision, "candidate": candidate.name,
             "registered_model": registered_model, "version": str(version), "alias": spec.promotion.alias,
-            "metrics": tracking.key_metrics(metrics), "run_id": outcome.run_id, "timestamp": timestamp}
+            "metrics": key_metrics(metrics), "run_id": outcome.run_id, "timestamp": timestamp}
 
 
 def pending_record(spec: PipelineSpec, event: dict) -> dict[str, str]:
@@ -117,7 +121,7 @@ def pending_record(spec: PipelineSpec, event: dict) -> dict[str, str]:
     tags: dict[str, str] = {}
     for index, hook in enumerate(spec.promotion.webhooks):
         body = json.dumps(event | {"delivery_id": uuid.uuid4().hex}, sort_keys=True)
-        tags |= {_tag(index, "url"): hook.url, _tag(index, "status"): "pending",
+        tags |= {_tag(index, "url"): tracking.redacted_url(hook.url), _tag(index, "status"): "pending",
                  _tag(index, "attempts"): "0", _tag(index, "last_error"): "", _tag(index, "event"): body}
     if tags:
         tags[PENDING_TAG] = "true"
@@ -129,8 +133,7 @@ def send(hook: WebhookSpec, body: str, delivery_id: str, *, backoff_s: float = 1
     secret = os.environ.get(hook.secret_env)
     if not secret:
         return False, 0, f"environment variable {hook.secret_env} is not set; the event cannot be signed"
-    raw = body.encode()
-    error = ""
+    raw, where, error = body.encode(), tracking.redacted_url(hook.url), ""
     for attempt in range(hook.retries + 1):
         if attempt:
             time.sleep(backoff_s * 2 ** (attempt - 1))
@@ -140,12 +143,12 @@ def send(hook: WebhookSpec, body: str, delivery_id: str, *, backoff_s: float = 1
                    SIGNATURE_HEADER: sign(secret, delivery_id, timestamp, raw)}
         try:
             response = httpx.post(hook.url, content=raw, headers=headers, timeout=hook.timeout_s)
-        except httpx.HTTPError as e:
-            error = f"{type(e).__name__}: {e}"
+        except (httpx.HTTPError, httpx.InvalidURL) as e:  # InvalidURL is no HTTPError
+            error = f"{type(e).__name__}: {e}".replace(hook.url, where)
             continue
         if response.is_success:
             return True, attempt + 1, ""
-        error = f"HTTP {response.status_code} from {hook.url}"
+        error = f"HTTP {response.status_code} from {where}"
         if response.status_code < 500 and response.status_code not in (408, 429):
             return False, attempt + 1, error
     return False, hook.retries + 1, error
@@ -158,23 +161,22 @@ def _deliver_version(version: tracking.RegisteredVersion, hooks: dict[str, Webho
     for index in pending:
         url, body = tags[_tag(index, "url")], tags[_tag(index, "event")]
         delivery_id = json.loads(body)["delivery_id"]
+        total = int(tags.get(_tag(index, "attempts"), "0"))
         hook = hooks.get(url)
         if hook is None:
-            results.append(Delivery(version.name, version.version, index, url, delivery_id, "skipped", 0,
-                                    "this webhook is no longer in pipelines.yaml"))
-            continue
-        delivered, attempts, error = send(hook, body, delivery_id, backoff_s=backoff_s)
-        status = "delivered" if delivered else "pending"
-        total = int(tags.get(_tag(index, "attempts"), "0")) + attempts
+            status, error = "abandoned", "this webhook is no longer in pipelines.yaml"
+        else:
+            delivered, attempts, error = send(hook, body, delivery_id, backoff_s=backoff_s)
+            status, total = "delivered" if delivered else "pending", total + attempts
         updates |= {_tag(index, "status"): status, _tag(index, "attempts"): str(total),
                     _tag(index, "last_error"): error}
-        if delivered:
+        if status == "delivered":
             updates[_tag(index, "delivered_at")] = datetime.now(UTC).isoformat()
         else:
-            log.warning("%s version %s: webhook %s still pending after %d attempts: %s",
-                        version.name, version.version, url, total, error)
+            log.warning("%s version %s: webhook %s %s after %d attempts: %s",
+                        version.name, version.version, url, status, total, error)
         results.append(Delivery(version.name, version.version, index, url, delivery_id, status, total, error))
-    still_pending = any(r.status != "delivered" for r in results)
+    still_pending = any(r.status == "pending" for r in results)
     updates[PENDING_TAG] = "true" if still_pending else "false"
     tracking.set_version_tags(version.name, version.version, updates)
     return results
@@ -199,6 +201,6 @@ def retry_pending(specs: PipelineSpec | Iterable[PipelineSpec], *, backoff_s: fl
 
 
 def _deliver_model(spec: PipelineSpec, registered_model: str, backoff_s: float) -> list[Delivery]:
-    hooks = {hook.url: hook for hook in spec.promotion.webhooks}
+    hooks = {tracking.redacted_url(hook.url): hook for hook in spec.promotion.webhooks}
     return [delivery for version in tracking.find_versions(registered_model, {PENDING_TAG: "true"})
             for delivery in _deliver_version(version, hooks, backoff_s)]

@@ -5,7 +5,9 @@ measurable anywhere) and TensorRT builds it strongly typed. For int8 that means 
 dialect (symmetric S8, per-channel weights, float bias), linted before it is written. That graph
 is slow on ONNX Runtime's x86 kernels, so int8 also writes model.cpu.onnx: the graph fused the
 way ONNX Runtime fuses it, then quantized the way its CPU kernels are fast (dynamic, or U8S8 QDQ).
-Calibration runs once, on real text, and calibration.json serves both graphs.
+Calibration runs once, on real text, over the exported graph's tensors (calibration.json). The
+qdq-u8s8 CPU graph reuses those ranges without recalibrating, so a tensor that exists only after
+fusion has no range: the nodes using one stay float, listed in cpu_uncalibrated.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -273,19 +275,23 @@ def _int8(spec: PipelineSpec, source: Path, out_dir: Path) -> dict[str, Any]:
                     weight_type=QuantType.QInt8, nodes_to_exclude=excluded, calibrate_method=method,
                     extra_options=_tensorrt_options(model), calibration_cache_path=calibration_path)
     lint = check_qdq(onnx.load(str(out_dir / MODEL_FILE)), f"{spec.name} int8 {MODEL_FILE}")
-    cpu_excluded = _cpu_int8(spec, model, source, out_dir, excluded,
-                             lambda: text_calibration_reader(batches), method)
+    cpu_excluded, uncalibrated = _cpu_int8(spec, model, source, out_dir, excluded, method)
     calib = spec.calibration
     return _outputs("int8", excluded_nodes=excluded, lint={"passed": True, **lint},
                     calibration={"data": calib.data, "sha256": file_digest(spec.resolve(calib.data)),
                                  "samples": calib.samples, "method": calib.method, "seq_len": calib.seq_len,
                                  "batch_size": calib.batch_size, "batches": len(batches)},
-                    cpu_format=spec.quantization.cpu_format, cpu_excluded_nodes=cpu_excluded)
+                    cpu_format=spec.quantization.cpu_format, cpu_excluded_nodes=cpu_excluded,
+                    cpu_uncalibrated=uncalibrated)
 
 
 def _cpu_int8(spec: PipelineSpec, model: onnx.ModelProto, source: Path, out_dir: Path, excluded: list[str],
-              reader: Callable[[], CalibrationDataReader], method: CalibrationMethod) -> list[str]:
-    """model.cpu.onnx: the fused graph, int8 in the form ONNX Runtime's x86 kernels run fast."""
+              method: CalibrationMethod) -> tuple[list[str], dict[str, Any]]:
+    """model.cpu.onnx: the fused graph, int8 in the form ONNX Runtime's x86 kernels run fast.
+
+    Returns the fused graph's excluded nodes and what uncalibrated() found (nothing for dynamic,
+    which measures ranges on every call).
+    """
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     skip_types = set(spec.quantization.exclude_op_types)
@@ -294,14 +300,40 @@ def _cpu_int8(spec: PipelineSpec, model: onnx.ModelProto, source: Path, out_dir:
         fuse_for_cpu(source, fused_path)
         fused = onnx.load(str(fused_path))
         cpu_excluded = fused_exclusions(model, fused, excluded)
-        common = {"per_channel": True, "weight_type": QuantType.QInt8, "nodes_to_exclude": cpu_excluded}
+        common = {"per_channel": True, "weight_type": QuantType.QInt8}
         if spec.quantization.cpu_format == "dynamic":
-            quantize_dynamic(fused_path, out_dir / CPU_MODEL_FILE,
+            quantize_dynamic(fused_path, out_dir / CPU_MODEL_FILE, nodes_to_exclude=cpu_excluded,
                              op_types_to_quantize=[t for t in CPU_DYNAMIC_OP_TYPES if t not in skip_types], **common)
-        else:
-            quantize_static(fused_path, out_dir / CPU_MODEL_FILE, reader(), quant_format=QuantFormat.QDQ,
-                            op_types_to_quantize=[t for t in QUANTIZED_OP_TYPES if t not in skip_types],
-                            activation_type=QuantType.QUInt8, calibrate_method=method,
-                            calibration_cache_path=out_dir / CALIBRATION_FILE, **common)
-    return cpu_excluded
+            return cpu_excluded, {"count": 0, "tensors": [], "nodes": []}
+        op_types = [t for t in QUANTIZED_OP_TYPES if t not in skip_types]
+        missing = uncalibrated(fused, out_dir / CALIBRATION_FILE, op_types, cpu_excluded)
+        # The cache exists, so quantize_static loads it and never calibrates: no data reader is needed.
+        quantize_static(fused_path, out_dir / CPU_MODEL_FILE, None, quant_format=QuantFormat.QDQ,
+                        op_types_to_quantize=op_types, activation_type=QuantType.QUInt8, calibrate_method=method,
+                        calibration_cache_path=out_dir / CALIBRATION_FILE,
+                        nodes_to_exclude=cpu_excluded + missing["nodes"], **common)
+    return cpu_excluded, missing
 
+
+def uncalibrated(model: onnx.ModelProto, calibration: Path, op_types: Iterable[str],
+                 excluded: Iterable[str]) -> dict[str, Any]:
+    """Activations (inputs, and outputs: QDQ quantizes both) of the quantizable, non-excluded nodes with no range.
+
+    quantize_static refuses a whole graph when one of them lacks a range, so the nodes that
+    touch them are returned too, to be kept float (and reported) instead.
+    """
+    from onnxruntime.quantization.calibrate import load_tensors_data
+
+    ranges = load_tensors_data(calibration)
+    weights = {init.name for init in model.graph.initializer}
+    op_types, excluded = set(op_types), set(excluded)
+    tensors: set[str] = set()
+    nodes = []
+    for node in model.graph.node:
+        if node.op_type not in op_types or node.name in excluded:
+            continue
+        missing = {name for name in (*node.input, *node.output) if name and name not in weights and name not in ranges}
+        if missing:
+            tensors |= missing
+            nodes.append(node.name)
+    return {"count": len(tensors), "tensors": sorted(tensors), "nodes": sorted(nodes)}

@@ -2,7 +2,8 @@
 
 One registered model per (pipeline, target); a version per passing candidate. The best passing
 candidate by `performance.objective` gets `promotion.alias` (whether it beats the champion is the
-gate's job). Every registry change is undone if a later step fails, so a deploy system that reads
+gate's job). Every registry change (new model or version, refreshed model description and tags,
+alias, notification record) is undone if a later step fails, so a deploy system that reads
 the alias never sees a promotion whose notification record was not written. The events are sent
 afterwards by notify.py, once the registry is consistent.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from tasks import notify, tracking
+from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.spec import PipelineSpec, TargetSpec
 
@@ -82,7 +84,7 @@ def promote(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[Candid
 def best_candidate(spec: PipelineSpec, passing: list[CandidateOutcome]) -> CandidateOutcome:
     """Highest gate-point throughput, or lowest p99 latency, per `performance.objective`."""
     def score(outcome: CandidateOutcome) -> float:
-        metrics = tracking.candidate_metrics(outcome)
+        metrics = stage_metrics(outcome.stages)
         if spec.performance.objective == "throughput":
             return -metrics.get("throughput", float("-inf"))
         return metrics.get("p99_ms", float("inf"))
@@ -93,8 +95,13 @@ def _promote_target(spec: PipelineSpec, target: TargetSpec, passing: list[Candid
                     undo: _Undo) -> list[_Decision]:
     name = tracking.registered_model_name(spec.name, target.name)
     alias = spec.promotion.alias
-    if tracking.ensure_registered_model(name, _description(spec, target), _model_tags(spec, target)):
+    tags = _model_tags(spec, target)
+    before = tracking.ensure_registered_model(name, _description(spec, target), tags)
+    if before is None:
         undo.add(f"delete registered model {name}", lambda: tracking.delete_registered_model(name))
+    else:
+        undo.add(f"restore the description and tags of {name}",
+                 lambda: tracking.restore_registered_model(before, list(tags)))
     versions = {o.candidate.name: _register(name, o, undo) for o in passing}
     best = best_candidate(spec, passing)
     previous = tracking.alias_version(name, alias)
@@ -118,10 +125,10 @@ def _register(name: str, outcome: CandidateOutcome, undo: _Undo) -> str:
         same_engine = tracking.find_versions(name, {"cache_key": outcome.cache_key})
         if same_engine:
             return same_engine[-1].version
-    metrics = tracking.candidate_metrics(outcome)
+    metrics = stage_metrics(outcome.stages)
     tags = {"candidate": outcome.candidate.name, "precision": outcome.candidate.precision,
             "cache_key": outcome.cache_key or ""}
-    tags |= {k: f"{v:.6g}" for k, v in tracking.key_metrics(metrics).items()}
+    tags |= {k: f"{v:.6g}" for k, v in key_metrics(metrics).items()}
     created = tracking.create_version(name, outcome.run_id, tags, description=f"engine of {outcome.candidate.name}")
     undo.add(f"delete version {created.version} of {name}", lambda: tracking.delete_version(name, created.version))
     return created.version
@@ -129,7 +136,7 @@ def _register(name: str, outcome: CandidateOutcome, undo: _Undo) -> str:
 
 def _record_event(spec: PipelineSpec, outcome: CandidateOutcome, name: str, version: str, undo: _Undo) -> None:
     """Write the pending notification before anything is sent, restorable if promotion fails later."""
-    metrics = tracking.candidate_metrics(outcome)
+    metrics = stage_metrics(outcome.stages)
     event = notify.promotion_event(spec, outcome, name, version, metrics, datetime.now(UTC).isoformat())
     record = notify.pending_record(spec, event)
     if not record:

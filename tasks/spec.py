@@ -6,13 +6,13 @@ config fails in a second instead of after an hour of exports.
 
 from __future__ import annotations
 
-import fnmatch
 import importlib.util
 import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import httpx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -164,8 +164,8 @@ class AccuracySpec(_Strict):
     seq_len: int = Field(128, ge=2)
     gates: dict[str, Threshold] = Field(default_factory=dict)
     champion_tolerance: float = Field(
-        0.002, ge=0, le=1, description="how far a metric may fall below the champion's"
-    )
+        0.002, ge=0, le=1, description="how far a metric may be worse than the champion's: absolute for "
+        "scores in [0, 1] (cosine, agreement), relative to max(|champion|, 1) for errors")
 
 
 class PerformanceSpec(_Strict):
@@ -184,8 +184,13 @@ class WebhookSpec(_Strict):
     @field_validator("url")
     @classmethod
     def _http(cls, url: str) -> str:
+        """Rejected here rather than at send time, where the event would only stay pending forever."""
         if not re.match(r"^https?://[^/\s]+", url):
             raise ValueError(f"expected an http(s) URL, got {url!r}")
+        try:
+            httpx.URL(url)
+        except httpx.InvalidURL as e:
+            raise ValueError(f"webhook URL {url!r} is not a valid URL: {e}") from e
         return url
 
     @field_validator("secret_env")
@@ -516,11 +521,6 @@ def _files_problems(spec: PipelineSpec) -> list[tuple[tuple, str]]:
         needed = section != "calibration" or any(p == "int8" for p in spec.precisions)
         if needed and not data.is_file():
             problems.append(((section, key), f"expected a text file, {data} does not exist"))
-    for i, excl in enumerate(spec.quantization.exclude_nodes):
-        try:
-            fnmatch.translate(excl)
-        except re.error as e:
-            problems.append((("quantization", "exclude_nodes", i), f"not a valid glob: {e}"))
     return problems
 
 

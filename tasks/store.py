@@ -24,6 +24,7 @@ from typing import Any
 
 MANIFEST = "manifest.json"
 KEY_LENGTH = 16
+STALE_TEMP_S = 24 * 3600
 
 
 def tool_versions(*packages: str) -> dict[str, str]:
@@ -63,11 +64,10 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def tree_digest(root: Path, patterns: tuple[str, ...] = ("*",)) -> str:
+def tree_digest(root: Path) -> str:
     """Hash of the files under root (names and contents): a local model's identity."""
     digest = hashlib.sha256()
-    files = sorted({p for pat in patterns for p in root.rglob(pat) if p.is_file()})
-    for path in files:
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(file_digest(path).encode())
     return digest.hexdigest()
@@ -108,7 +108,10 @@ class ArtifactStore:
         return self.root / pipeline / stage / key
 
     def lookup(self, pipeline: str, stage: str, key: str) -> StageResult | None:
-        """The finished output for this key, or None (missing or damaged outputs count as absent)."""
+        """The finished output for this key, or None (a missing manifest or a file of the wrong size counts as absent).
+
+        Sizes, not hashes, are checked: a lookup must stay cheap for a warm run over gigabyte engines.
+        """
         final = self.path(pipeline, stage, key)
         try:
             manifest = json.loads((final / MANIFEST).read_text())
@@ -132,19 +135,18 @@ class ArtifactStore:
             yield writer
             writer.finish()
             _fsync_tree(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            _publish(tmp, final, key)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         writer.result = StageResult(pipeline, stage, key, final, writer.manifest, cached=False)
 
-    def clean_temp(self) -> None:
-        """Remove temp dirs left by a killed process (never a finished output)."""
-        for tmp in self.root.glob("*/*/.*.*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+    def clean_temp(self, pipeline: str, older_than_s: float = STALE_TEMP_S) -> None:
+        """Remove one pipeline's temp dirs left by a killed process: old enough that no live run is writing them."""
+        cutoff = time.time() - older_than_s
+        for tmp in (self.root / pipeline).glob("*/.*.*"):
+            if tmp.stat().st_mtime < cutoff:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 class StageWriter:
@@ -168,6 +170,18 @@ class StageWriter:
                           "seconds": round(time.perf_counter() - self._started, 3),
                           "created_unix": round(time.time(), 3)}
         (self.dir / MANIFEST).write_text(json.dumps(self.manifest, indent=2, default=str))
+
+
+def _publish(tmp: Path, final: Path, key: str) -> None:
+    """Move a finished temp dir into place; an output it replaces is moved aside first, never deleted before."""
+    if final.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def _fsync_tree(root: Path) -> None:

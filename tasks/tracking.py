@@ -8,6 +8,7 @@ MLflow's own configuration applies: MLFLOW_TRACKING_URI when set, else MLflow's 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import platform
 import warnings
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import mlflow
 import pandas as pd
@@ -22,15 +24,11 @@ from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.spec import PipelineSpec
 from tasks.store import MANIFEST, StageResult
 
-GATE_POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "throughput", "speedup_vs_reference")
-POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput", "tokens_per_s",
-                 "reference_p50_ms", "reference_p99_ms", "reference_throughput", "speedup_vs_reference")
-DECODE_METRICS = ("p50_ms", "p99_ms", "reference_p50_ms", "speedup_vs_reference")
-BUILD_METRICS = ("build_seconds", "engine_bytes")
 REPORT_FILES = {"validate": ("report.json",), "accuracy": ("per_sample.csv", "three_way.json"),
                 "benchmark": ("samples.csv",)}
 MAX_PARAM_CHARS = 6000
@@ -63,6 +61,16 @@ def _model_tag(spec: PipelineSpec) -> str:
     return spec.model.id or spec.model.path or ""
 
 
+def redacted_url(url: str) -> str:
+    """scheme://host[:port]/…#<sha256 prefix>: a webhook URL's path or query may carry a token.
+
+    The hash tells configured webhooks apart without storing the URL; userinfo is dropped too.
+    """
+    parts = urlsplit(url)
+    digest = hashlib.sha256(url.encode()).hexdigest()[:8]
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}/…#{digest}"
+
+
 def flatten(value: Any, prefix: str = "") -> dict[str, str]:
     """Nested config as dotted MLflow params; lists stay whole (as JSON) so a param is one setting."""
     if isinstance(value, dict):
@@ -86,39 +94,15 @@ def pipeline_run(spec: PipelineSpec, run_name: str, params: dict[str, Any]) -> I
     run_id = client.create_run(_experiment_id(client, spec.name), run_name=run_name, tags=tags).info.run_id
     status = "FAILED"
     try:
-        flat = flatten(spec.model_dump(mode="json")) | flatten(params)
+        config = spec.model_dump(mode="json")
+        for hook in config["promotion"]["webhooks"]:
+            hook["url"] = redacted_url(hook["url"])
+        flat = flatten(config) | flatten(params)
         client.log_batch(run_id, params=[Param(k, v) for k, v in flat.items()])
         yield run_id
         status = "FINISHED"
     finally:
         client.set_terminated(run_id, status)
-
-
-def candidate_metrics(outcome: CandidateOutcome) -> dict[str, float]:
-    """The candidate's metrics under the names MLflow, the registry and the webhook share."""
-    metrics: dict[str, float] = {}
-    if accuracy := outcome.stages.get("accuracy"):
-        metrics |= {f"accuracy.{k}": v for k, v in accuracy.outputs.get("metrics", {}).items()}
-    if benchmark := outcome.stages.get("benchmark"):
-        outputs = benchmark.outputs
-        gate_point = outputs.get("gate_point") or {}
-        metrics |= {k: gate_point[k] for k in GATE_POINT_METRICS if k in gate_point}
-        for point in outputs.get("points", []):
-            prefix = f"b{point['batch']}_s{point['seq']}"
-            metrics |= {f"{prefix}.{k}": point[k] for k in POINT_METRICS if k in point}
-        for step in outputs.get("decode", []):
-            prefix = f"decode_b{step['batch']}_p{step['past']}"
-            metrics |= {f"{prefix}.{k}": step[k] for k in DECODE_METRICS if k in step}
-    if build := outcome.stages.get("build"):
-        metrics |= {k: build.outputs[k] for k in BUILD_METRICS if k in build.outputs}
-    metrics |= outcome.metrics
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-
-
-def key_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """The few numbers a deploy decision reads: accuracy, gate-point speed, engine size."""
-    keep = set(GATE_POINT_METRICS) | {"engine_bytes"}
-    return {k: v for k, v in metrics.items() if k in keep or k.startswith("accuracy.")}
 
 
 def _arch(spec: PipelineSpec, outcome: CandidateOutcome) -> str:
@@ -165,7 +149,7 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
     Returns the child run id. The run ends FAILED for a failed candidate so the UI shows it red.
     """
     experiment_id = _experiment_id(MlflowClient(), spec.name)
-    metrics = candidate_metrics(outcome)
+    metrics = stage_metrics(outcome.stages)
     run = mlflow.start_run(experiment_id=experiment_id, run_name=outcome.candidate.name,
                            parent_run_id=parent_run_id, nested=True, tags=candidate_tags(spec, outcome))
     status = "FAILED"
@@ -296,19 +280,44 @@ def _alias_missing(e: MlflowException) -> bool:
         e.error_code == "INVALID_PARAMETER_VALUE" and "not found" in e.message)
 
 
-def ensure_registered_model(name: str, description: str, tags: dict[str, str]) -> bool:
-    """Create the registered model or refresh its description and tags; True when it was created."""
+@dataclass(frozen=True)
+class ModelInfo:
+    """A registered model's description and tags, as they were before a refresh."""
+
+    name: str
+    description: str
+    tags: dict[str, str]
+
+
+def ensure_registered_model(name: str, description: str, tags: dict[str, str]) -> ModelInfo | None:
+    """Create the registered model or refresh its description and tags.
+
+    Returns None when it was created, else what the refresh replaced, for `restore_registered_model`.
+    """
     client = MlflowClient()
     try:
         client.create_registered_model(name, tags=tags, description=description)
-        return True
+        return None
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
+    found = client.get_registered_model(name)
+    before = ModelInfo(name, found.description or "", dict(found.tags))
     client.update_registered_model(name, description=description)
     for key, value in tags.items():
         client.set_registered_model_tag(name, key, value)
-    return False
+    return before
+
+
+def restore_registered_model(before: ModelInfo, refreshed_tags: list[str]) -> None:
+    """Undo `ensure_registered_model`'s refresh: its description, and the tags it set."""
+    client = MlflowClient()
+    client.update_registered_model(before.name, description=before.description)
+    for key in refreshed_tags:
+        if key in before.tags:
+            client.set_registered_model_tag(before.name, key, before.tags[key])
+        else:
+            client.delete_registered_model_tag(before.name, key)
 
 
 def delete_registered_model(name: str) -> None:

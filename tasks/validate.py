@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tasks.inputs import decoder_feeds, encoder_feeds, read_texts, reference_outputs
+from tasks.inputs import point_feeds, read_texts, reference_outputs
 from tasks.models import load_reference, load_tokenizer
 from tasks.spec import PipelineSpec
 from tasks.store import ArtifactStore, StageResult, file_digest, stage_key, tool_versions
@@ -81,8 +81,8 @@ def _config(spec: PipelineSpec) -> dict[str, Any]:
 def _shape_points(spec: PipelineSpec) -> dict[str, dict[str, int]]:
     """min/opt/max of every profile (named profile<i>.<point> when there are several).
 
-    Decoders with a KV cache also get a `prefill` point (empty past, longest seq): profiles start
-    at past >= 1, yet the first step of every generation runs with no past at all.
+    Decoders with a KV cache also get a `prefill` point (empty past, longest seq): a profile may
+    start at past >= 1, yet the first step of every generation runs with no past at all.
     """
     single = len(spec.profiles) == 1
     points = {(point if single else f"profile{i}.{point}"): shape
@@ -91,14 +91,6 @@ def _shape_points(spec: PipelineSpec) -> dict[str, dict[str, int]]:
         first = spec.profiles[0]
         points["prefill"] = {"batch": first.batch[1], "seq": first.seq[2], "past": 0}
     return points
-
-
-def _feeds(spec: PipelineSpec, tokenizer: Any, reference: torch.nn.Module, texts: list[str],
-           shape: dict[str, int], input_names: list[str]) -> dict[str, np.ndarray]:
-    if spec.model.is_decoder:
-        return decoder_feeds(tokenizer, reference, texts, shape["batch"], shape["seq"], shape.get("past", 0),
-                             input_names)
-    return encoder_feeds(tokenizer, texts, shape["batch"], shape["seq"], input_names)
 
 
 def _nan_inf(run_results: Any, points: list[str]) -> list[str]:
@@ -117,14 +109,15 @@ def _reference_output(name: str, _index: int, reference: Any) -> list[str]:
     return [name] if name in reference else []
 
 
-def _stats(result: Any, atol: float, rtol: float) -> dict[str, Any]:
+def output_stats(result: Any) -> dict[str, Any]:
+    """One output's errors from a Polygraphy compare result; a shape mismatch (a bare False) is a failure, not a crash."""
     from polygraphy.comparator.compare import OutputCompareResult
 
     if not isinstance(result, OutputCompareResult):
-        return {"max_abs": None, "mean_abs": None, "median_abs": None, "max_rel": None, "atol": atol,
-                "rtol": rtol, "passed": False, "problem": "shape mismatch"}
+        return {"max_abs": None, "mean_abs": None, "median_abs": None, "max_rel": None, "passed": False,
+                "problem": "shape mismatch"}
     return {"max_abs": result.max_absdiff, "mean_abs": result.mean_absdiff, "median_abs": result.median_absdiff,
-            "max_rel": result.max_reldiff, "atol": atol, "rtol": rtol, "passed": bool(result)}
+            "max_rel": result.max_reldiff, "passed": bool(result)}
 
 
 def _describe_failure(output: str, point: str, shape: dict[str, int], stats: dict[str, Any]) -> str:
@@ -146,7 +139,7 @@ def compare(spec: PipelineSpec, export_result: StageResult) -> dict[str, Any]:
     tokenizer, reference = load_tokenizer(spec), load_reference(spec)
     texts = read_texts(spec.resolve(spec.accuracy.data))
     points = _shape_points(spec)
-    feeds = [_feeds(spec, tokenizer, reference, texts, shape, input_names) for shape in points.values()]
+    feeds = [point_feeds(spec, tokenizer, reference, texts, shape, input_names) for shape in points.values()]
     onnx_runner = OnnxrtRunner(SessionFromOnnx(str(export_result.file("model.onnx")), providers=["cpu"]),
                                name="onnxruntime")
     torch_runner = torch_reference_runner(reference, spec.model.task, inputs)
@@ -164,7 +157,7 @@ def compare(spec: PipelineSpec, export_result: StageResult) -> dict[str, Any]:
     for point, matches in zip(points, per_point):
         for output, result in matches.items():
             tol = tolerances[output]
-            outputs.setdefault(output, {})[point] = _stats(result, tol.atol, tol.rtol)
+            outputs.setdefault(output, {})[point] = output_stats(result) | {"atol": tol.atol, "rtol": tol.rtol}
     nan_inf = [] if finite else _nan_inf(run_results, list(points))
     failures = [_describe_failure(output, point, points[point], stats)
                 for output, by_point in sorted(outputs.items()) for point, stats in by_point.items()

@@ -8,30 +8,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.onnxruntime import SIDECAR, OnnxRuntimeBackend, cpu_isa
 from tasks.spec import TargetSpec
+from tests.fixtures.onnx_graphs import write_mlp
 
 CPU = TargetSpec(name="cpu", backend="onnxruntime", threads=1)
-
-
-def write_mlp(path: Path, *, external_data: bool = False) -> Path:
-    """y = Relu(x @ W + b) @ W2, dynamic batch: MatMul+Add is a pattern ORT fuses when optimizing."""
-    rng = np.random.default_rng(0)
-    weights = [numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "W"),
-               numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "b"),
-               numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32), "W2")]
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["hb"]),
-             helper.make_node("Relu", ["hb"], ["r"]), helper.make_node("MatMul", ["r", "W2"], ["y"])]
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])], weights)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.save(model, str(path), save_as_external_data=external_data, all_tensors_to_one_file=True,
-              location=path.name + ".weights", size_threshold=0)
-    return path
 
 
 def built(tmp_path: Path, target: TargetSpec = CPU, *, external_data: bool = False) -> tuple[Path, Path]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tasks.gates import candidate_metrics, evaluate
+from tasks.gates import evaluate
+from tasks.metrics import stage_metrics
 from tasks.spec import PipelineSpec
+from tasks.store import StageResult
 
 
 def spec(**overrides: Any) -> PipelineSpec:
@@ -33,12 +36,20 @@ def benchmark(speedup: float = 1.5, p99: float = 20.0) -> dict[str, Any]:
                            "throughput": 400.0, "speedup_vs_reference": speedup}}
 
 
-def verdicts(results: list) -> dict[str, tuple[bool, tuple[str, ...]]]:
+def measured(acc: dict[str, Any], bench: dict[str, Any] | None) -> dict[str, float]:
+    stages = {"accuracy": StageResult("enc", "accuracy", "k1", Path("."), {"outputs": acc})}
+    if bench is not None:
+        stages["benchmark"] = StageResult("enc", "benchmark", "k2", Path("."), {"outputs": bench})
+    return stage_metrics(stages)
+
+
+def judge(acc: dict[str, Any], bench: dict[str, Any] | None, champion: dict[str, Any] | None = None) -> dict:
+    results = evaluate(spec(), measured(acc, bench), acc.get("validity"), champion)
     return {g.gate: (g.passed, g.reasons) for g in results}
 
 
 def test_a_good_candidate_passes_every_gate() -> None:
-    results = verdicts(evaluate(spec(), accuracy(), benchmark(), champion=None))
+    results = judge(accuracy(), benchmark())
     assert all(passed for passed, _ in results.values()), results
     assert set(results) == {"validity", "accuracy", "performance", "champion"}
 
@@ -53,28 +64,28 @@ def test_a_good_candidate_passes_every_gate() -> None:
     (accuracy(), None, "performance", "speedup_vs_reference was not measured"),
 ])
 def test_each_missed_threshold_is_named(acc: dict, bench: dict | None, gate: str, reason: str) -> None:
-    passed, reasons = verdicts(evaluate(spec(), acc, bench, champion=None))[gate]
+    passed, reasons = judge(acc, bench)[gate]
     assert not passed
     assert any(reason in r for r in reasons), reasons
 
 
 def test_champion_regression_uses_the_side_by_side_speedup() -> None:
-    metrics = candidate_metrics(accuracy(), benchmark(speedup=1.5))
+    metrics = measured(accuracy(), benchmark(speedup=1.5))
     champion = {"version": "3", "metrics": metrics | {"speedup_vs_reference": 1.8}}
-    passed, reasons = verdicts(evaluate(spec(), accuracy(), benchmark(speedup=1.5), champion))["champion"]
+    passed, reasons = judge(accuracy(), benchmark(speedup=1.5), champion)["champion"]
     assert not passed and "regresses vs champion v3" in reasons[0]
     within_noise = {"version": "3", "metrics": metrics | {"speedup_vs_reference": 1.55}}
-    assert verdicts(evaluate(spec(), accuracy(), benchmark(speedup=1.5), within_noise))["champion"][0]
+    assert judge(accuracy(), benchmark(speedup=1.5), within_noise)["champion"][0]
 
 
 def test_champion_accuracy_regression_beyond_tolerance_fails() -> None:
     champion = {"version": "1", "metrics": {"accuracy.cosine_mean": 0.999, "speedup_vs_reference": 1.0}}
-    passed, reasons = verdicts(evaluate(spec(), accuracy(cosine_mean=0.991), benchmark(), champion))["champion"]
+    passed, reasons = judge(accuracy(cosine_mean=0.991), benchmark(), champion)["champion"]
     assert not passed and "accuracy.cosine_mean" in reasons[0]
-    assert verdicts(evaluate(spec(), accuracy(cosine_mean=0.998), benchmark(), champion))["champion"][0]
+    assert judge(accuracy(cosine_mean=0.998), benchmark(), champion)["champion"][0]
 
 
 def test_metrics_are_flattened_with_shared_names() -> None:
-    metrics = candidate_metrics(accuracy(), benchmark())
+    metrics = measured(accuracy(), benchmark())
     assert metrics["accuracy.cosine_mean"] == 0.995
     assert metrics["p99_ms"] == 20.0 and metrics["speedup_vs_reference"] == 1.5

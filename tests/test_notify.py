@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from pydantic import ValidationError
 
 from tasks import notify, tracking
+from tasks.metrics import stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.promote import promote
-from tasks.spec import PipelineSpec
+from tasks.spec import PipelineSpec, WebhookSpec
 from tasks.store import ArtifactStore
 from tests.fixtures.candidates import candidate_outcome, pipeline_spec
 from tests.fixtures.servers import WebhookReceiver
@@ -121,19 +123,66 @@ def test_pending_event_goes_out_with_the_next_promotion(webhook_receiver: Webhoo
     assert [e["version"] for e in webhook_receiver.events] == [first.model_version, second.model_version]
 
 
+def test_webhook_url_with_an_invalid_port_is_rejected_by_the_spec_and_never_crashes_send(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = "https://deploy.example:abc/hooks/engines"
+    with pytest.raises(ValidationError, match="not a valid URL"):
+        WebhookSpec(url=bad, secret_env="SMELTER_WEBHOOK_SECRET")
+    with pytest.raises(ValidationError, match="not a valid URL"):
+        pipeline_spec("bad-port", webhooks=[{"url": bad, "secret_env": "SMELTER_WEBHOOK_SECRET"}])
+
+    monkeypatch.setenv("SMELTER_WEBHOOK_SECRET", "s3cret")
+    unchecked = WebhookSpec.model_construct(url=bad, secret_env="SMELTER_WEBHOOK_SECRET", retries=1, timeout_s=1.0)
+    delivered, attempts, error = notify.send(unchecked, "{}", "d1", backoff_s=0.01)
+    assert (delivered, attempts) == (False, 2) and error.startswith("InvalidURL:")
+
+
 @pytest.mark.usefixtures("mlflow_server")
-def test_secret_is_never_written_to_mlflow(webhook_receiver: WebhookReceiver, tmp_path: Path) -> None:
+def test_event_for_a_removed_webhook_is_abandoned_once_not_retried_forever(
+        webhook_receiver: WebhookReceiver, tmp_path: Path) -> None:
     spec = _spec(webhook_receiver)
+    webhook_receiver.down = True
     outcome = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=500.0)
-    _promoted(spec, outcome)
+    assert [d["status"] for d in _promoted(spec, outcome)] == ["pending"]
+
+    webhook_receiver.down = False
+    removed = pipeline_spec(spec.name)
+    results = notify.retry_pending(removed, backoff_s=0.01)
+    assert [(r["status"], r["attempts"]) for r in results] == [("abandoned", RETRIES + 1)]
+    assert "no longer in pipelines.yaml" in results[0]["last_error"]
+    record = _record(outcome)
+    assert (record["0.status"], record["pending"]) == ("abandoned", "false")
+    assert notify.retry_pending(removed, backoff_s=0.01) == []
+    assert notify.retry_pending(spec, backoff_s=0.01) == [] and webhook_receiver.events == []
+
+
+@pytest.mark.usefixtures("mlflow_server")
+def test_secret_and_full_webhook_url_are_never_written_to_mlflow(webhook_receiver: WebhookReceiver,
+                                                                 tmp_path: Path) -> None:
+    spec = _spec(webhook_receiver)
+    webhook_receiver.down = True  # the failed attempts' errors name the webhook too
+    outcome = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=500.0)
+    pending = _promoted(spec, outcome)
+    webhook_receiver.down = False
+    retried = notify.retry_pending(spec, backoff_s=0.01)
+    assert [r["status"] for r in retried] == ["delivered"] and len(webhook_receiver.events) == 1
+
+    redacted = tracking.redacted_url(webhook_receiver.url)
+    assert redacted.startswith(f"http://127.0.0.1:{webhook_receiver.port}/…#")
+    assert [d["url"] for d in pending + retried] == [redacted, redacted]
+    assert pending[0]["last_error"] == f"HTTP 503 from {redacted}"
     client = MlflowClient()
     experiment = client.get_experiment_by_name(f"smelter/{spec.name}")
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 2
-    written = [json.dumps([run.data.params, run.data.tags]) for run in runs]
+    parent = next(run for run in runs if "mlflow.parentRunId" not in run.data.tags)
+    assert json.loads(parent.data.params["promotion.webhooks"])[0]["url"] == redacted
+    assert _record(outcome)["0.url"] == redacted
+    written = [json.dumps([run.data.params, run.data.tags], ensure_ascii=False) for run in runs]
     written.append(json.dumps(client.get_model_version(outcome.model_name, outcome.model_version).tags))
     model = client.get_registered_model(outcome.model_name)
     written.append(json.dumps([model.tags, model.description]))
-    written.append(tracking.engine_card(spec, outcome, tracking.candidate_metrics(outcome)))
+    written.append(tracking.engine_card(spec, outcome, stage_metrics(outcome.stages)))
     assert spec.promotion.webhooks[0].secret_env in "".join(written)
-    assert not any(webhook_receiver.secret in text for text in written)
+    for hidden in (webhook_receiver.secret, webhook_receiver.url, webhook_receiver.path):
+        assert not any(hidden in text for text in written)

@@ -21,6 +21,7 @@ from tasks.precision import (
     CPU_MODEL_FILE,
     MODEL_FILE,
     fused_exclusions,
+    uncalibrated,
     precision_key,
     run_precision,
 )
@@ -170,6 +171,7 @@ def test_qdq_u8s8_cpu_graph_reuses_the_calibration(bert, eval_feeds, tmp_path):
     assert activation_types == {onnx.TensorProto.UINT8}
     full = _run(exported.file(MODEL_FILE), eval_feeds)
     assert _cosines(full, _run(result.file(CPU_MODEL_FILE), eval_feeds), eval_feeds["attention_mask"]).min() > 0.9
+    assert result.outputs["cpu_uncalibrated"] == {"count": 0, "tensors": [], "nodes": []}
 
 
 def test_unmatched_exclusion_glob_is_an_error_naming_it(bert, tmp_path):
@@ -208,3 +210,30 @@ def test_exclusions_follow_nodes_through_fusion():
     assert fused_exclusions(original, fused, ["proj/MatMul"]) == ["MatMulFusion_0"]
     assert fused_exclusions(original, fused, ["q/MatMul"]) == ["Attention_0"]
     assert fused_exclusions(original, fused, ["act/Relu"]) == ["act/Relu"]
+
+
+def test_activations_missing_from_the_calibration_cache_are_reported_and_their_readers_kept_float(tmp_path):
+    """A cache measured on another graph (the unfused one) has no range for new tensors; ORT would refuse them."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.calibrate import TensorData, TensorsData, save_tensors_data
+
+    make = onnx.helper.make_node
+    model = _chain([make("MatMul", ["x", "w1"], ["a"], name="first/MatMul"),
+                    make("Relu", ["a"], ["fused"], name="fused/Relu"),
+                    make("MatMul", ["fused", "w2"], ["y"], name="second/MatMul")], ["w1", "w2"])
+    onnx.save(model, tmp_path / "model.onnx")
+    cache = tmp_path / CALIBRATION_FILE
+    bound = np.array(4.0, dtype=np.float32)
+    save_tensors_data(TensorsData(CalibrationMethod.MinMax, {name: TensorData(lowest=-bound, highest=bound)
+                                                             for name in ("x", "a", "y")}), cache)
+    missing = uncalibrated(model, cache, ["MatMul"], [])
+    assert missing == {"count": 1, "tensors": ["fused"], "nodes": ["second/MatMul"]}
+    assert uncalibrated(model, cache, ["MatMul"], ["second/MatMul"])["count"] == 0
+    options = {"quant_format": QuantFormat.QDQ, "op_types_to_quantize": ["MatMul"], "activation_type": QuantType.QUInt8,
+               "calibrate_method": CalibrationMethod.MinMax, "calibration_cache_path": cache}
+    with pytest.raises(ValueError, match="Quantization parameters are not specified for param fused"):
+        quantize_static(tmp_path / "model.onnx", tmp_path / "int8.onnx", None, **options)
+    quantize_static(tmp_path / "model.onnx", tmp_path / "int8.onnx", None, nodes_to_exclude=missing["nodes"], **options)
+    producers = _float_inputs(onnx.load(str(tmp_path / "int8.onnx")), "*MatMul")
+    assert producers["first/MatMul"] == ["DequantizeLinear", "DequantizeLinear"]
+    assert producers["second/MatMul"][0] == "Relu"

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import mlflow
 import pytest
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from tasks import tracking
+from tasks import notify, tracking
 from tasks.outcome import CandidateOutcome
 from tasks.promote import PromotionError, promote
 from tasks.spec import PipelineSpec
@@ -105,25 +106,41 @@ def test_alias_moves_only_when_a_later_run_promotes(tmp_path: Path) -> None:
     assert better.status == "promoted" and _alias(name) == better.model_version != first.model_version
 
 
-def test_failed_promotion_step_restores_previous_alias_and_removes_new_version(tmp_path: Path) -> None:
-    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+def test_failed_promotion_step_restores_previous_alias_model_metadata_and_removes_new_version(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hooks = [{"url": "http://127.0.0.1:9/hooks/engines", "secret_env": "SMELTER_UNUSED_SECRET"}]
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}", webhooks=hooks)
     store = ArtifactStore(tmp_path)
     name = f"{spec.name}-cpu"
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
     promote(spec, _logged(spec, [first]))
+    client = MlflowClient()
+    client.update_registered_model(name, description="written by hand")
+    client.set_registered_model_tag(name, "model", "an older model")
+    client.delete_registered_model_tag(name, "backend")
 
-    # A webhook URL longer than the registry accepts as a tag value: the alias has already moved
-    # when writing the notification record fails, so the rollback must move it back.
-    unrecordable = pipeline_spec(spec.name, webhooks=[{"url": "http://127.0.0.1:9/" + "x" * 100_001,
-                                                       "secret_env": "SMELTER_UNUSED_SECRET"}])
-    better = candidate_outcome(store, unrecordable, "int8", "cpu", throughput=900.0, variant="night-2")
+    # The registry refuses the notification record, the last step: the registered model has been
+    # refreshed and the alias moved by then, so the rollback must put both back.
+    set_version_tags = tracking.set_version_tags
+
+    def refuse_record(model: str, version: str, tags: dict[str, str]) -> None:
+        if notify.PENDING_TAG in tags:
+            raise MlflowException("tag store unavailable")
+        set_version_tags(model, version, tags)
+
+    monkeypatch.setattr(tracking, "set_version_tags", refuse_record)
+    better = candidate_outcome(store, spec, "int8", "cpu", throughput=900.0, variant="night-2")
     with pytest.raises(PromotionError, match=f"promotion of pipeline {spec.name} failed: .*rolled back"):
-        promote(unrecordable, _logged(unrecordable, [better]))
+        promote(spec, _logged(spec, [better]))
 
     assert _alias(name) == first.model_version
     assert _versions(name) == [first.model_version]
     assert better.status == "passed" and better.model_version is None
     assert MlflowClient().get_run(better.run_id).data.tags["status"] == "passed"
+    model = client.get_registered_model(name)
+    assert model.description == "written by hand"
+    assert model.tags["model"] == "an older model" and "backend" not in model.tags
+    assert model.tags["pipeline"] == spec.name
 
 
 def test_promotion_refuses_candidates_that_were_never_logged(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -69,10 +71,18 @@ def test_clean_temp_removes_only_unfinished_dirs(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path)
     with store.writing("p", "export", "k5") as w:
         (w.dir / "a").write_text("x")
-    leftover = store.path("p", "export", "k6").parent / ".k6.abc123"
-    leftover.mkdir()
-    store.clean_temp()
-    assert not leftover.exists()
+    stale = store.path("p", "export", "k6").parent / ".k6.abc123"
+    fresh = store.path("p", "export", "k7").parent / ".k7.def456"
+    other = store.path("q", "export", "k8").parent / ".k8.ghi789"
+    for tmp in (stale, fresh, other):
+        tmp.mkdir(parents=True)
+    old = time.time() - 2 * 24 * 3600
+    os.utime(stale, (old, old))
+    os.utime(other, (old, old))
+    store.clean_temp("p")
+    assert not stale.exists()
+    assert fresh.exists(), "a temp dir this young may belong to a run still writing it"
+    assert other.exists(), "another pipeline's temp dirs are left to its own runs"
     assert store.lookup("p", "export", "k5") is not None
 
 

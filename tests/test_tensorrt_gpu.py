@@ -25,7 +25,7 @@ if GPU is None:
 
 from tasks.backends.tensorrt import EngineBuildError, TensorRTBackend  # noqa: E402
 from tasks.backends.trt_compare import compare_three_way  # noqa: E402
-from tests.fixtures.onnx_graphs import linear_model
+from tests.fixtures.onnx_graphs import linear_model  # noqa: E402
 
 PROFILES = [ProfileSpec(batch=[1, 4, 8], seq=[1, 1, 1]), ProfileSpec(batch=[9, 16, 32], seq=[1, 1, 1])]
 
@@ -94,7 +94,7 @@ def test_parser_reports_every_error(tmp_path):
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch_size", 4])
     nodes = [helper.make_node("NoSuchOp", ["x"], ["a"], domain="smelter.test"),
              helper.make_node("AlsoMissing", ["a"], ["y"], domain="smelter.test")]
-    model = helper.makelinear_model(helper.make_graph(nodes, "bad", [x], [y]),
+    model = helper.make_model(helper.make_graph(nodes, "bad", [x], [y]),
                               opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("smelter.test", 1)])
     onnx.save(model, tmp_path / "bad.onnx")
     target = TargetSpec(name=GPU.arch, backend="tensorrt", arch=GPU.arch)

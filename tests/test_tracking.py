@@ -3,10 +3,12 @@ the same metric names every time, the engine and reports downloadable, failures 
 
 from __future__ import annotations
 
+import platform
 import uuid
 from pathlib import Path
 
 import mlflow
+import onnxruntime
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -28,7 +30,7 @@ def _artifact_files(client: MlflowClient, run_id: str, path: str = "") -> set[st
     return files
 
 
-def test_candidate_nested_under_pipeline_run_with_contract_names(tmp_path: Path) -> None:
+def test_candidate_run_nests_under_pipeline_run_with_its_tags_params_metrics_and_artifacts(tmp_path: Path) -> None:
     spec = pipeline_spec(_unique("track"))
     outcome = candidate_outcome(ArtifactStore(tmp_path / "artifacts"), spec, "int8", "cpu", throughput=400.0)
     with tracking.pipeline_run(spec, "nightly-1", {"trigger": "schedule"}) as parent_id:
@@ -49,8 +51,8 @@ def test_candidate_nested_under_pipeline_run_with_contract_names(tmp_path: Path)
     assert tags["mlflow.parentRunId"] == parent_id
     assert {k: tags[k] for k in ("candidate", "precision", "target", "arch", "backend", "backend_version",
                                  "cache_key", "gate", "status")} == {
-        "candidate": f"{spec.name}/int8/cpu", "precision": "int8", "target": "cpu", "arch": "cpu-x86_64",
-        "backend": "onnxruntime", "backend_version": "1.32.0", "cache_key": outcome.cache_key,
+        "candidate": f"{spec.name}/int8/cpu", "precision": "int8", "target": "cpu", "arch": f"cpu-{platform.machine()}",
+        "backend": "onnxruntime", "backend_version": onnxruntime.__version__, "cache_key": outcome.cache_key,
         "gate": "passed", "status": "passed"}
     assert tags["gate_reasons"] == ""
     assert child.data.params["precision.name"] == "int8"

@@ -45,3 +45,21 @@ def test_three_way_report_fails_when_tolerance_is_tighter_than_the_cast_error(tm
     assert not report["passed"]
     assert not report["pairs"]["fp32-vs-precision"]["opt"]["y"]["passed"]
     assert report["pairs"]["precision-vs-engine"]["opt"]["y"]["passed"]
+
+
+class WrongShapeEngine(OnnxRuntimeEngine):
+    """An engine that drops half of every output row, as a bad profile or a broken reshape would."""
+
+    def infer(self, feeds):
+        return {name: value[:, :4] for name, value in super().infer(feeds).items()}
+
+
+def test_engine_output_of_the_wrong_shape_is_a_failed_entry_not_a_crash(tmp_path):
+    fp32, fp16 = linear_model(tmp_path / "fp32.onnx", False), linear_model(tmp_path / "fp16.onnx", True)
+    report = compare_three_way(fp32, fp16, WrongShapeEngine(fp16), _feeds(), atol=0.05, rtol=0.05)
+    assert not report["passed"]
+    assert report["pairs"]["fp32-vs-precision"]["opt"]["y"]["passed"]
+    for pair in ("fp32-vs-engine", "precision-vs-engine"):
+        for point in report["points"]:
+            entry = report["pairs"][pair][point]["y"]
+            assert entry["passed"] is False and entry["problem"] == "shape mismatch" and entry["max_abs"] is None

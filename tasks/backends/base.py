@@ -77,7 +77,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def build(self, onnx_path: Path, target: TargetSpec, profiles: list[ProfileSpec], out_dir: Path,
               cache_dir: Path) -> dict[str, Any]:
-        """Write the engine (and its sidecar files) into out_dir; return facts for the manifest."""
+        """Write the engine (and its sidecar files) into out_dir; return facts for the manifest.
+
+        The facts include `engine_bytes`: the engine's own size, without sidecars or caches.
+        """
 
     @abc.abstractmethod
     def load(self, engine_dir: Path, target: TargetSpec) -> Runner:

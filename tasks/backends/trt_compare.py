@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from tasks.backends.base import Runner
+from tasks.validate import output_stats
 
 PAIRS = (("fp32", "precision"), ("fp32", "engine"), ("precision", "engine"))
 
@@ -69,13 +70,8 @@ def compare_three_way(fp32_onnx: Path, precision_onnx: Path, engine: Runner, fee
     accuracy = Comparator.compare_accuracy(
         results, comparisons=[(index[a], index[b]) for a, b in PAIRS],
         compare_func=SimpleCompareFunc(atol=atol, rtol=rtol, check_error_stat="max"))[0]
-    pairs = {}
-    for (a, b) in PAIRS:
-        per_point = {}
-        for point, outputs in zip(points, accuracy[(a, b)]):
-            per_point[point] = {out: {"max_abs": r.max_absdiff, "mean_abs": r.mean_absdiff,
-                                      "median_abs": r.median_absdiff, "max_rel": r.max_reldiff, "passed": bool(r)}
-                                for out, r in outputs.items()}
-        pairs[f"{a}-vs-{b}"] = per_point
+    pairs = {f"{a}-vs-{b}": {point: {out: output_stats(result) for out, result in outputs.items()}
+                             for point, outputs in zip(points, accuracy[(a, b)])}
+             for a, b in PAIRS}
     passed = finite and all(o["passed"] for pt in pairs.values() for outs in pt.values() for o in outs.values())
     return {"passed": passed, "finite": finite, "atol": atol, "rtol": rtol, "points": points, "pairs": pairs}
