@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,13 @@ def test_run_promotes_records_notifies_and_reruns_cached(
     assert states[(f"{name}/int8", "precision")] == "to-run"
     assert states[(f"{name}/fp32", "precision")] == "cached"
     assert states[(f"{name}/fp32/cpu", "build")] == "cached"
+
+    fp32 = by_name(again)[f"{name}/fp32/cpu"]
+    shutil.rmtree(Path(artifacts) / name / "build" / fp32["stages"]["build"]["key"])
+    code, rebuilt = run_json(capsys, "-f", str(path), "--precision", "fp32", "--artifacts", artifacts)
+    stages = by_name(rebuilt)[f"{name}/fp32/cpu"]["stages"]
+    assert code == 0 and not stages["build"]["cached"], "a cache entry whose directory is gone is rebuilt"
+    assert stages["build"]["key"] == fp32["stages"]["build"]["key"] and stages["precision"]["cached"]
 
 
 def test_rejected_and_failed_candidates_are_recorded_never_promoted(
