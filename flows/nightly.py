@@ -25,8 +25,7 @@ def _failed_pipeline(spec: PipelineSpec, precisions: list[str] | None, targets: 
     """What a pipeline that crashed outside its stages reports: each selected candidate failed, with why."""
     message = f"pipeline {spec.name} failed: {type(error).__name__}: {error}"
     return [CandidateOutcome(c, "failed", error=message, failed_stage="pipeline").summary()
-            for c in spec.candidates() if (not precisions or c.precision in precisions)
-            and (not targets or c.target in targets)]
+            for c in spec.candidates(precisions, targets)]
 
 
 @flow(name="smelter-nightly", flow_run_name="nightly")

@@ -130,8 +130,7 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
                   force: bool = False, artifacts: str = "artifacts") -> list[dict[str, Any]]:
     """Build, judge, record and promote every selected candidate of one pipeline."""
     spec = load(file).pipelines[pipeline]
-    candidates = [c for c in spec.candidates() if (not precisions or c.precision in precisions)
-                  and (not targets or c.target in targets)]
+    candidates = spec.candidates(precisions, targets)
     store = ArtifactStore(artifacts)
     store.clean_temp(pipeline)
     memo = _Memo()

@@ -29,17 +29,18 @@ def build_key(precision_result: StageResult, target: TargetSpec, backend: Backen
 
 
 def _build_inputs(precision_result: StageResult, target: TargetSpec, backend: Backend,
-                  profiles: list[ProfileSpec]) -> tuple[str, dict[str, Any], dict[str, str]]:
-    """The key and what it hashes (recorded in the manifest), computed once.
+                  profiles: list[ProfileSpec]) -> tuple[str, dict[str, Any], dict[str, str], dict[str, Any]]:
+    """The key and what it hashes (config and tools for the manifest, hardware for the outputs), computed once.
 
     The target's name is part of it: an engine records the target it was built for, and its
     runner and benchmark read that target's settings back.
     """
     config = {"target": target.model_dump(mode="json"), "profiles": [p.model_dump(mode="json") for p in profiles]}
     tools = {backend.name: backend.version(), **tool_versions("onnx")}
+    hardware = backend.hardware(target)
     key = stage_key("build", upstream={"precision": precision_result.key}, config=config, tools=tools,
-                    hardware=backend.hardware(target))
-    return key, config, tools
+                    hardware=hardware)
+    return key, config, tools, hardware
 
 
 def run_build(spec: PipelineSpec, precision_result: StageResult, target_name: str, store: ArtifactStore,
@@ -51,7 +52,7 @@ def run_build(spec: PipelineSpec, precision_result: StageResult, target_name: st
     if why:
         raise BuildUnavailable(f"pipeline {spec.name}, target {target.name} ({backend.name}): cannot build "
                                f"here: {why}")
-    key, config, tools = _build_inputs(precision_result, target, backend, list(spec.profiles))
+    key, config, tools, hardware = _build_inputs(precision_result, target, backend, list(spec.profiles))
     if not force and (hit := store.lookup(spec.name, "build", key)):
         return hit
     source = backend.source_model(precision_result.path)
@@ -69,7 +70,7 @@ def run_build(spec: PipelineSpec, precision_result: StageResult, target_name: st
             raise RuntimeError(f"backend {backend.name} did not write its engine {backend.engine_file} "
                                f"for target {target.name}")
         w.outputs.update({"backend": backend.name, "backend_version": backend.version(),
-                          "engine_file": backend.engine_file, "hardware": backend.hardware(target)})
+                          "engine_file": backend.engine_file, "hardware": hardware})
         w.outputs.update(facts)
         w.outputs.update({"build_seconds": round(build_seconds, 3), "target": target.name,
                           "precision": precision_result.outputs.get("precision"), "source_model": source.name})

@@ -286,8 +286,10 @@ class PipelineSpec(_Strict):
         """The (batch, seq) that performance gates and the objective read."""
         return self.performance.at or {"batch": max(self.benchmark.batch_sizes), "seq": self.benchmark.seq_lens[0]}
 
-    def candidates(self) -> list[Candidate]:
-        return [Candidate(self.name, p, t.name) for p in self.precisions for t in self.targets]
+    def candidates(self, precisions: list[str] | None = None, targets: list[str] | None = None) -> list[Candidate]:
+        """Every (precision, target) candidate, or those the filters name (an empty filter keeps all)."""
+        return [Candidate(self.name, p, t.name) for p in self.precisions for t in self.targets
+                if (not precisions or p in precisions) and (not targets or t.name in targets)]
 
     def target(self, name: str) -> TargetSpec:
         return next(t for t in self.targets if t.name == name)
@@ -540,5 +542,5 @@ def select(specs: PipelinesFile, pipelines: list[str], precisions: list[str], ta
         for name in wanted:
             if name not in have:
                 raise SpecError([f"{specs.path}: {flag} {name}: not declared by the selected pipelines"])
-    return [c for c in chosen if (not precisions or c.precision in precisions)
-            and (not targets or c.target in targets)]
+    return [c for p in specs.pipelines.values() if not pipelines or p.name in pipelines
+            for c in p.candidates(precisions, targets)]

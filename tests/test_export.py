@@ -9,6 +9,7 @@ import pytest
 from tasks import spec as spec_module
 from tasks.export import export_key, run_export
 from tasks.store import ArtifactStore
+from tests.fixtures.models import write_pipelines
 
 
 def _spec(path, name="tiny"):
@@ -19,14 +20,7 @@ def _spec(path, name="tiny"):
 def bert_export(tiny_bert_dir, tmp_path_factory):
     """One tiny-BERT export shared by the tests below (exports cost seconds on two cores)."""
     root = tmp_path_factory.mktemp("bert-export")
-    pipelines = root / "pipelines.yaml"
-    pipelines.write_text(
-        f"pipelines:\n  tiny:\n    model: {{path: {tiny_bert_dir}, task: feature-extraction}}\n"
-        "    profiles: [{batch: [1, 2, 4], seq: [8, 16, 32]}]\n    precisions: [fp32]\n"
-        "    targets: [{name: cpu, backend: onnxruntime}]\n    accuracy: {data: data/eval.txt, seq_len: 16}\n"
-        "    benchmark: {batch_sizes: [1, 4], seq_lens: [16]}\n")
-    (root / "data").mkdir()
-    (root / "data" / "eval.txt").write_text("A short line of real text.\n")
+    pipelines = write_pipelines(root, tiny_bert_dir, "feature-extraction")
     spec = _spec(pipelines)
     store = ArtifactStore(root / "artifacts")
     return spec, store, run_export(spec, store)

@@ -13,6 +13,7 @@ from tasks.export import run_export
 from tasks.inputs import decoder_feeds, encoder_feeds, read_texts, reference_outputs
 from tasks.models import load_reference, load_tokenizer
 from tasks.store import ArtifactStore
+from tests.fixtures.models import write_pipelines
 
 TEXTS = ["The bakery on the corner opens at six.", "Fog rolled in from the harbor so quickly that the far end "
          "of the bridge disappeared, and the ferries waited in the bay until noon."]
@@ -24,13 +25,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 def llama(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama's spec, tokenizer, reference and one real with-past export (shared: exports cost time)."""
     root = tmp_path_factory.mktemp("llama-inputs")
-    pipelines = root / "pipelines.yaml"
-    pipelines.write_text(
-        f"pipelines:\n  tiny:\n    model: {{path: {tiny_llama_dir}, task: text-generation-with-past}}\n"
-        "    profiles: [{batch: [1, 2, 3], seq: [1, 4, 16], past: [1, 8, 24]}]\n    precisions: [fp32]\n"
-        "    targets: [{name: cpu, backend: onnxruntime}]\n    accuracy: {data: eval.txt, seq_len: 16}\n"
-        "    benchmark: {batch_sizes: [1, 2], seq_lens: [4], past_len: 8}\n")
-    (root / "eval.txt").write_text("\n".join(TEXTS) + "\n")
+    pipelines = write_pipelines(root, tiny_llama_dir, "text-generation-with-past")
     spec = spec_module.load(pipelines).pipelines["tiny"]
     export = run_export(spec, ArtifactStore(root / "artifacts"))
     return spec, load_tokenizer(spec), load_reference(spec), export
