@@ -38,7 +38,15 @@ def _parser() -> argparse.ArgumentParser:
     with_file(sub.add_parser("validate", help="check the pipelines file and exit"))
     notify = with_file(sub.add_parser("notify", help="webhook deliveries"))
     notify.add_argument("--retry", action="store_true", required=True, help="send every pending event again")
-    with_file(sub.add_parser("deploy", help="serve the nightly deployments on their schedules"))
+    webhooks = with_file(sub.add_parser("webhooks", help="MLflow's own registry webhooks"))
+    webhooks.add_argument("action", choices=["sync"],
+                          help="sync: mirror the file's webhooks into the MLflow server's registry webhooks")
+    deploy = with_file(sub.add_parser("deploy", help="serve the scheduled deployments, or register them on work pools"))
+    deploy.add_argument("--pools", action="store_true",
+                        help="create the work pools the targets need and register the deployments there "
+                             "(for `prefect worker start --pool NAME`) instead of serving them from this process")
+    deploy.add_argument("--prefect-yaml", metavar="PATH",
+                        help="write the same deployments as a prefect.yaml for `prefect deploy --all`, and exit")
     return parser
 
 
@@ -114,14 +122,41 @@ def cmd_notify(args: argparse.Namespace) -> int:
     return EXIT_FAILED if any(r.get("status") not in ("delivered", "abandoned") for r in results) else EXIT_OK
 
 
-def cmd_deploy(args: argparse.Namespace) -> int:
-    from flows.deploy import serve_schedules
+def cmd_webhooks(args: argparse.Namespace) -> int:
+    from tasks.mlflow_webhooks import sync
 
-    serve_schedules(_load(args.file), args.file, args.artifacts)
+    for change in sync(_load(args.file)):
+        print(f"{change['action']:<8} {change['webhook']}  {change['url']}  {change['pipelines']}".rstrip())
     return EXIT_OK
 
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "notify": cmd_notify, "deploy": cmd_deploy}
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from flows import deploy
+
+    specs = _load(args.file, check_env=not (args.pools or args.prefect_yaml))  # the workers hold the secrets
+    plans = deploy.plan(specs, args.file, args.artifacts)
+    if args.prefect_yaml:
+        Path(args.prefect_yaml).write_text(deploy.prefect_yaml(plans, args.file))
+        print(f"{args.prefect_yaml}: {len(plans)} deployments")
+        return EXIT_OK
+    if not args.pools:
+        deploy.serve_schedules(plans)
+        return EXIT_OK
+    needed = deploy.pools(specs)
+    created = deploy.create_pools(list(needed))
+    for pool, targets in needed.items():
+        print(f"pool {pool:<16} {'created' if created[pool] else 'exists':<8} builds {', '.join(targets)}")
+    for p in plans:
+        schedule = f"cron {p.schedule.cron} {p.schedule.timezone}" if p.schedule else "ad hoc"
+        print(f"deployment {p.full_name:<36} pool {p.pool:<16} {schedule}")
+    deploy.register(plans, str(Path.cwd()))
+    print("next: on each pool's hosts, from this checkout: "
+          + "; ".join(f"prefect worker start --pool {pool}" for pool in needed))
+    return EXIT_OK
+
+
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "notify": cmd_notify, "deploy": cmd_deploy,
+            "webhooks": cmd_webhooks}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows import progress
+from flows import events, progress
 from flows.stages import accuracy_task, benchmark_task, build_task, export_task, precision_task, validate_task
 from tasks import gates, notify, promote, tracking, triton
 from tasks.metrics import key_metrics, stage_metrics
@@ -147,6 +147,7 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
                     _fail(outcome, "promote", e)
         else:
             _after_promotion(spec, outcomes)
+            events.announce_promotions(outcomes)
         for outcome in outcomes:
             if outcome.run_id:
                 tracking.finish_candidate(outcome.run_id, outcome)

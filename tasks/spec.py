@@ -236,6 +236,9 @@ class TargetSpec(_Strict):
     hardware_compatibility: Literal["none", "ampere_plus", "same_compute_capability"] = "none"
     version_compatible: bool = False
     threads: int | None = Field(None, ge=1, description="onnxruntime intra-op threads")
+    pool: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9_-]*$", exclude=True,
+                             description="Prefect work pool that builds it (default cpu, or gpu-<arch>); "
+                                         "where an engine is built is not part of its key")
 
     @model_validator(mode="after")
     def _arch_for_gpu(self) -> TargetSpec:

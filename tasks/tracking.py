@@ -382,3 +382,40 @@ def find_versions(name: str, tags: dict[str, str]) -> list[RegisteredVersion]:
 def log_directory(run_id: str, local_dir: Path, artifact_path: str) -> None:
     """Attach a directory written after the run was logged (e.g. a Triton package) to that run."""
     MlflowClient().log_artifacts(run_id, str(local_dir), artifact_path)
+
+
+@dataclass(frozen=True)
+class RegistryWebhook:
+    """One of MLflow's own registry webhooks (its secret is write-only: MLflow never returns it)."""
+
+    webhook_id: str
+    name: str
+    url: str
+    events: tuple[str, ...]
+    description: str
+
+
+def list_webhooks() -> list[RegistryWebhook]:
+    """Every registry webhook of the MLflow server (webhooks need `mlflow server` with a SQL store)."""
+    client, found, token = MlflowClient(), [], None
+    while True:
+        page = client.list_webhooks(page_token=token)
+        found += [RegistryWebhook(w.webhook_id, w.name, w.url, tuple(str(e) for e in w.events), w.description or "")
+                  for w in page]
+        token = page.token
+        if not token:
+            return found
+
+
+def create_webhook(name: str, url: str, events: list[str], secret: str, description: str) -> None:
+    MlflowClient().create_webhook(name=name, url=url, events=events, secret=secret, description=description,
+                                  status="ACTIVE")
+
+
+def update_webhook(webhook_id: str, url: str, events: list[str], secret: str, description: str) -> None:
+    MlflowClient().update_webhook(webhook_id, url=url, events=events, secret=secret, description=description,
+                                  status="ACTIVE")
+
+
+def delete_webhook(webhook_id: str) -> None:
+    MlflowClient().delete_webhook(webhook_id)

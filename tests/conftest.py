@@ -11,7 +11,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-pytest_plugins = ["tests.fixtures.models", "tests.fixtures.servers"]
+pytest_plugins = ["tests.fixtures.models", "tests.fixtures.servers", "tests.fixtures.fleet"]
 
 
 @pytest.fixture(scope="session")
