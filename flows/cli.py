@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--target", action="append", default=[], help="only this target (repeatable)")
     run.add_argument("--force", action="store_true", help="rebuild even what is cached")
     run.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
+    loudness = run.add_mutually_exclusive_group()
+    loudness.add_argument("-q", "--quiet", action="store_true", help="print only failures and the final table")
+    loudness.add_argument("-v", "--verbose", action="store_true",
+                          help="also print what libraries and Prefect log (normally kept in the run's log file)")
     with_file(sub.add_parser("plan", help="show the graph that would run, cached or to-run"))
     with_file(sub.add_parser("validate", help="check the pipelines file and exit"))
     notify = with_file(sub.add_parser("notify", help="webhook deliveries"))
@@ -99,18 +105,56 @@ def cmd_run(args: argparse.Namespace) -> int:
     for note in _warnings(specs):
         print(note, file=sys.stderr)
     pipelines = args.pipeline or sorted({c.pipeline for c in selected}, key=list(specs.pipelines).index)
-    progress.message(f"smelter: {len(selected)} candidates in {len(pipelines)} pipelines")
-    with contextlib.redirect_stdout(sys.stderr):  # libraries print (MLflow's run links); stdout is the summary's
+    progress.set_level(progress.QUIET if args.quiet else progress.VERBOSE if args.verbose else progress.NORMAL)
+    log_path = Path(args.artifacts) / "_logs" / f"run-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.log"
+    progress.message(f"smelter: {len(selected)} candidates in {len(pipelines)} pipelines"
+                     + ("" if args.verbose else f"; library output in {log_path}"))
+    # stdout is the summary's: libraries' prints go to stderr (--verbose) or the log file
+    quieted = contextlib.redirect_stdout(sys.stderr) if args.verbose else progress.captured_output(log_path)
+    with quieted:
         summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
                                  targets=args.target or None, force=args.force, artifacts=args.artifacts)
+    if not args.verbose:  # Prefect says goodbye to its temporary server at exit, past the capture
+        logging.getLogger("prefect").setLevel(logging.WARNING)
     failed = [s for s in summaries if s["status"] == "failed" or s["error"]]
     if args.json:
         print(json.dumps({"file": args.file, "ok": not failed, "candidates": summaries}, indent=2, default=str))
     else:
-        for s in summaries:
-            version = f" v{s['model_version']}" if s.get("model_version") else ""
-            print(f"{s['candidate']:<32} {s['status']:<9}{version}")
+        print(summary_table(summaries, specs))
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _reason(summary: dict[str, Any]) -> str:
+    """Why a candidate ended as it did: the promotion decision's reason, else the error or the gates'."""
+    decision = summary.get("decision") or {}
+    if decision.get("reason"):
+        return str(decision["reason"])
+    if summary.get("error"):
+        return summary["error"]
+    reasons = [r for g in summary.get("gates", []) for r in g["reasons"]]
+    if reasons:
+        return "; ".join(reasons)
+    return {"promoted": "passed every gate; the alias moved to it",
+            "passed": "passed every gate"}.get(summary["status"], "")
+
+
+def _key_metric(summary: dict[str, Any], specs: Any) -> str:
+    """The pipeline's objective at its gate point: throughput, or p99 latency."""
+    spec = specs.pipelines.get(summary["pipeline"])
+    metrics = summary.get("metrics") or {}
+    if spec is not None and spec.performance.objective == "latency":
+        return f"{metrics['p99_ms']:.3g} ms p99" if "p99_ms" in metrics else "-"
+    return f"{metrics['throughput']:.4g}/s" if "throughput" in metrics else "-"
+
+
+def summary_table(summaries: list[dict[str, Any]], specs: Any) -> str:
+    """The table `smelter run` prints last: status, registry version, key metric and the reason."""
+    rows = [("candidate", "status", "version", "key metric", "reason")]
+    rows += [(s["candidate"], s["status"], f"v{s['model_version']}" if s.get("model_version") else "-",
+              _key_metric(s, specs), _reason(s)) for s in summaries]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4]
+                     for row in rows)
 
 
 def cmd_notify(args: argparse.Namespace) -> int:

@@ -153,6 +153,7 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
                 tracking.finish_candidate(outcome.run_id, outcome)
             progress.candidate_done(outcome.candidate.name, outcome.status,
                                     [outcome.error] if outcome.error else outcome.gate_reasons)
+        tracking.describe_pipeline_run(parent_run_id, outcomes)
     _publish(pipeline, outcomes)
     return [o.summary() for o in outcomes]
 

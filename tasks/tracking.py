@@ -19,10 +19,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import mlflow
+import numpy as np
 import pandas as pd
+import yaml
 from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
+from mlflow.tracking.context.registry import resolve_tags
+from mlflow.types import Schema, TensorSpec
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome
@@ -33,6 +39,8 @@ REPORT_FILES = {"validate": ("report.json",), "accuracy": ("per_sample.csv", "th
                 "benchmark": ("samples.csv",)}
 MAX_PARAM_CHARS = 6000
 MAX_TAG_CHARS = 8000
+HEADLINE_PREFIX = "_"  # sorts before every other metric name in MLflow's run table and compare view
+DESCRIPTION_TAG = "mlflow.note.content"  # what the MLflow UI shows as a run's description
 
 
 def experiment_name(pipeline: str) -> str:
@@ -125,6 +133,7 @@ def candidate_tags(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, s
         "backend": build.outputs.get("backend", target.backend) if build else target.backend,
         "gate": "passed" if outcome.passed_gates else "failed",
         "gate_reasons": "; ".join(outcome.gate_reasons), "status": outcome.status,
+        "rebuilt": ",".join(name for name, stage in outcome.stages.items() if not stage.cached) or "none",
     }
     if build:
         tags |= {"backend_version": str(build.outputs.get("backend_version", "")), "cache_key": build.key}
@@ -148,14 +157,16 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
 
     Returns the child run id. The run ends FAILED for a failed candidate so the UI shows it red.
     """
-    experiment_id = _experiment_id(MlflowClient(), spec.name)
+    client = MlflowClient()
     metrics = stage_metrics(outcome.stages)
-    run = mlflow.start_run(experiment_id=experiment_id, run_name=outcome.candidate.name,
-                           parent_run_id=parent_run_id, nested=True, tags=candidate_tags(spec, outcome))
+    tags = resolve_tags(candidate_tags(spec, outcome) | {MLFLOW_PARENT_RUN_ID: parent_run_id})
+    created = client.create_run(_experiment_id(client, spec.name), start_time=_work_started_ms(outcome),
+                                tags=tags, run_name=outcome.candidate.name)
+    run = mlflow.start_run(run_id=created.info.run_id, nested=True)
     status = "FAILED"
     try:
         mlflow.log_params(candidate_params(spec, outcome))
-        mlflow.log_metrics(metrics)
+        mlflow.log_metrics(metrics | headline_metrics(spec, metrics) | stage_seconds(outcome.stages))
         _log_engine(spec, outcome)
         _log_stage_files(outcome.stages)
         _log_tables(outcome.stages)
@@ -180,6 +191,8 @@ def _log_engine(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
         mlflow.set_tag("engine_source", f"models:/{name}/{holder[-1].version}")
     else:
         mlflow.log_artifacts(str(build.path), "engine")
+        if (signature := engine_signature(outcome.stages)) is not None:
+            mlflow.log_text(_mlmodel(signature, mlflow.active_run().info.run_id), "engine/MLmodel")
 
 
 def _log_stage_files(stages: dict[str, StageResult]) -> None:
@@ -419,3 +432,69 @@ def update_webhook(webhook_id: str, url: str, events: list[str], secret: str, de
 
 def delete_webhook(webhook_id: str) -> None:
     MlflowClient().delete_webhook(webhook_id)
+
+
+def headline_metrics(spec: PipelineSpec, metrics: dict[str, float]) -> dict[str, float]:
+    """A handful of copies named to sort first: speedup, throughput, p99, the gated accuracy, engine size."""
+    picks = {"speedup": "speedup_vs_reference", "throughput": "throughput", "p99_ms": "p99_ms"}
+    gated = list(spec.accuracy.gates) or sorted(k.removeprefix("accuracy.") for k in metrics
+                                                if k.startswith("accuracy."))[:1]
+    picks |= {name: f"accuracy.{name}" for name in gated}
+    headline = {f"{HEADLINE_PREFIX}{short}": metrics[name] for short, name in picks.items() if name in metrics}
+    if "engine_bytes" in metrics:
+        headline[f"{HEADLINE_PREFIX}engine_mb"] = metrics["engine_bytes"] / 1e6
+    return headline
+
+
+def stage_seconds(stages: dict[str, StageResult]) -> dict[str, float]:
+    """Seconds this run spent in each stage: what producing it took, or 0 for a reused output."""
+    return {f"stage_seconds.{name}": 0.0 if stage.cached else float(stage.manifest.get("seconds", 0.0))
+            for name, stage in stages.items()}
+
+
+def _work_started_ms(outcome: CandidateOutcome) -> int | None:
+    """When this run began producing the candidate's stages, so its MLflow run spans the real work;
+    None (now) when everything was reused."""
+    starts = [stage.manifest["created_unix"] - stage.manifest.get("seconds", 0.0)
+              for stage in outcome.stages.values() if not stage.cached and "created_unix" in stage.manifest]
+    return int(min(starts) * 1000) if starts else None
+
+
+def engine_signature(stages: dict[str, StageResult]) -> ModelSignature | None:
+    """The engine's input and output tensors (dynamic dimensions as -1), from the build manifest when
+    it records them, else from the exported graph the engine was built from."""
+    for name in ("build", "export"):
+        stage = stages.get(name)
+        if stage and stage.outputs.get("inputs") and stage.outputs.get("outputs"):
+            io = stage.outputs
+            break
+    else:
+        return None
+
+    def schema(tensors: dict[str, Any]) -> Schema:
+        return Schema([TensorSpec(np.dtype(t["dtype"]), tuple(d if isinstance(d, int) and d > 0 else -1
+                                                              for d in t["shape"]), name)
+                       for name, t in tensors.items()])
+
+    return ModelSignature(inputs=schema(io["inputs"]), outputs=schema(io["outputs"]))
+
+
+def _mlmodel(signature: ModelSignature, run_id: str) -> str:
+    """A minimal MLmodel file: the registry's model version page reads the signature from it."""
+    return yaml.safe_dump({"artifact_path": "engine", "flavors": {}, "run_id": run_id,
+                           "mlflow_version": mlflow.__version__, "signature": signature.to_dict()}, sort_keys=False)
+
+
+def describe_pipeline_run(parent_run_id: str, outcomes: list[CandidateOutcome]) -> None:
+    """The parent run's description: what was decided for each candidate and why, and whether
+    anything was rebuilt (tag `rebuilt`: an unchanged nightly says false)."""
+    lines = ["| candidate | status | version | reason |", "|---|---|---|---|"]
+    for o in outcomes:
+        reason = o.error or "; ".join(o.gate_reasons) or ("the alias moved to it" if o.status == "promoted" else "")
+        lines.append(f"| {o.candidate.name} | {o.status} | {o.model_version or '-'} | {reason.replace('|', '/')} |")
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("promoted", "passed", "rejected", "failed")}
+    head = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no candidates"
+    rebuilt = any(not stage.cached for o in outcomes for stage in o.stages.values())
+    client = MlflowClient()
+    client.set_tag(parent_run_id, DESCRIPTION_TAG, f"{head}.\n\n" + "\n".join(lines))
+    client.set_tag(parent_run_id, "rebuilt", str(rebuilt).lower())

@@ -1,0 +1,95 @@
+"""What the MLflow UI shows a person: runs that span the real work, headline metrics first, whether
+anything was rebuilt, the engine's signature on the model version, and the decisions on the parent run."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tasks import tracking
+from tasks.outcome import CandidateOutcome
+from tasks.store import ArtifactStore
+from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
+
+pytestmark = pytest.mark.usefixtures("mlflow_server")
+EXPORTED_IO = {"inputs": {"input_ids": {"dtype": "int64", "shape": ["batch_size", "sequence_length"]},
+                          "attention_mask": {"dtype": "int64", "shape": ["batch_size", "sequence_length"]}},
+               "outputs": {"last_hidden_state": {"dtype": "float32",
+                                                 "shape": ["batch_size", "sequence_length", 32]}}}
+
+
+def with_export(store: ArtifactStore, outcome: CandidateOutcome) -> CandidateOutcome:
+    """The candidate's exported graph, described as the export stage records it."""
+    with store.writing(outcome.candidate.pipeline, "export", f"export-{uuid.uuid4().hex[:8]}") as w:
+        (w.dir / "model.onnx").write_bytes(b"graph")
+        w.outputs.update(EXPORTED_IO)
+    outcome.stages = {"export": w.result, **outcome.stages}
+    return outcome
+
+
+def test_candidate_run_spans_its_work_and_leads_with_headline_metrics(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"ui-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path / "artifacts")
+    outcome = with_export(store, candidate_outcome(store, spec, "fp32", "cpu", throughput=400.0))
+    with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
+        child_id = tracking.log_candidate(parent_id, spec, outcome)
+    child = MlflowClient().get_run(child_id)
+
+    first_start = min(s.manifest["created_unix"] - s.manifest["seconds"] for s in outcome.stages.values())
+    assert child.info.start_time == int(first_start * 1000) < child.info.end_time
+    metrics = child.data.metrics
+    assert {k: metrics[k] for k in ("_throughput", "_speedup", "_p99_ms", "_cosine_mean")} == {
+        "_throughput": 400.0, "_speedup": 2.0, "_p99_ms": 10.0, "_cosine_mean": 0.9988}
+    assert metrics["_engine_mb"] == pytest.approx(29e-6)
+    headline = sorted(k for k in metrics if k.startswith("_"))
+    assert sorted(metrics)[:len(headline)] == headline, "headline metrics sort before the other ~40"
+    assert metrics["stage_seconds.build"] == outcome.stages["build"].manifest["seconds"]
+    assert child.data.tags["rebuilt"] == "export,validate,build,accuracy,benchmark"
+    assert child.data.tags["mlflow.parentRunId"] == parent_id
+
+
+def test_model_version_carries_the_engine_signature(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"sig-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path / "artifacts")
+    outcome = with_export(store, candidate_outcome(store, spec, "int8", "cpu", throughput=300.0))
+    with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
+        child_id = tracking.log_candidate(parent_id, spec, outcome)
+    name = tracking.registered_model_name(spec.name, "cpu")
+    tracking.ensure_registered_model(name, "engines", {})
+    version = tracking.create_version(name, child_id, {"candidate": outcome.candidate.name})
+
+    signature = mlflow.models.Model.load(f"models:/{name}/{version.version}").signature
+    assert {s.name: (s.type.name, s.shape) for s in signature.inputs.inputs} == {
+        "input_ids": ("int64", (-1, -1)), "attention_mask": ("int64", (-1, -1))}
+    assert [(s.name, s.shape) for s in signature.outputs.inputs] == [("last_hidden_state", (-1, -1, 32))]
+
+
+def test_unchanged_rerun_says_nothing_was_rebuilt_and_the_parent_run_summarises_the_decisions(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"re-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path / "artifacts")
+    kept = candidate_outcome(store, spec, "fp32", "cpu", throughput=400.0)
+    kept.stages = {name: dataclasses.replace(stage, cached=True) for name, stage in kept.stages.items()}
+    kept.status, kept.model_version = "passed", "3"
+    rejected = candidate_outcome(store, spec, "int8", "cpu", throughput=100.0, passed=False)
+    rejected.stages = {name: dataclasses.replace(stage, cached=True) for name, stage in rejected.stages.items()}
+    broken = failed_outcome(store, spec, "fp32", "sm90")
+    broken.stages = {name: dataclasses.replace(stage, cached=True) for name, stage in broken.stages.items()}
+    with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
+        child_id = tracking.log_candidate(parent_id, spec, kept)
+        tracking.describe_pipeline_run(parent_id, [kept, rejected, broken])
+
+    client = MlflowClient()
+    child = client.get_run(child_id)
+    assert child.data.tags["rebuilt"] == "none"
+    assert all(v == 0.0 for k, v in child.data.metrics.items() if k.startswith("stage_seconds."))
+    parent = client.get_run(parent_id)
+    assert parent.data.tags["rebuilt"] == "false"
+    description = parent.data.tags["mlflow.note.content"]
+    assert description.startswith("1 passed, 1 rejected, 1 failed.")
+    assert f"| {spec.name}/fp32/cpu | passed | 3 |" in description
+    assert "p99_ms: 80 > max 50" in description and "invalid graph" in description
