@@ -1,34 +1,117 @@
-"""Deployments: the nightly schedules a user declares reach Prefect, and prefect.yaml points at real flows."""
+"""Deployments: one set of names whether served or sent to work pools, pools per kind of target,
+a prefect.yaml that matches, workers that find the project or say what to set, and the compose stack."""
 
 from __future__ import annotations
 
+import base64
 import importlib
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
-from flows.deploy import deployments
+from flows import deploy
+from flows.worker_steps import ProjectNotFound, enter_project
 from tasks.spec import load
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_each_scheduled_pipeline_gets_a_cron_deployment(pipeline_factory, tiny_bert_dir):
+def test_one_pool_keeps_plain_names_and_each_schedule(pipeline_factory, tiny_bert_dir):
     path = pipeline_factory(tiny_bert_dir, "feature-extraction", name="enc",
                             schedule={"cron": "15 3 * * *", "timezone": "Europe/Berlin"})
-    found = {d.name: d for d in deployments(load(path), str(path), "artifacts")}
-    assert set(found) == {"nightly", "enc"}
-    assert not found["nightly"].schedules
-    schedule = found["enc"].schedules[0].schedule
-    assert (schedule.cron, schedule.timezone) == ("15 3 * * *", "Europe/Berlin")
-    assert found["enc"].parameters == {"file": str(path), "pipeline": "enc", "artifacts": "artifacts"}
+    plans = {p.full_name: p for p in deploy.plan(load(path), str(path), "artifacts")}
+    assert set(plans) == {"smelter-nightly/nightly", "smelter-pipeline/enc"}
+    assert plans["smelter-nightly/nightly"].schedule is None and plans["smelter-nightly/nightly"].pool == "cpu"
+    scheduled = plans["smelter-pipeline/enc"]
+    assert (scheduled.schedule.cron, scheduled.schedule.timezone) == ("15 3 * * *", "Europe/Berlin")
+    assert scheduled.parameters == {"file": str(path), "artifacts": "artifacts", "pipeline": "enc"}
+    assert scheduled.entrypoint == "flows.pipeline:pipeline_flow"
 
 
-def test_prefect_yaml_entrypoints_are_importable_flows():
-    document = yaml.safe_load((REPO / "prefect.yaml").read_text())
+def test_targets_of_several_pools_split_each_deployment_per_pool(pipeline_factory, tiny_bert_dir):
+    path = pipeline_factory(
+        tiny_bert_dir, "feature-extraction", name="enc", schedule={"cron": "0 2 * * *"},
+        targets=[{"name": "cpu", "backend": "onnxruntime"}, {"name": "sm90", "backend": "tensorrt", "arch": "sm90"},
+                 {"name": "h100", "backend": "tensorrt", "arch": "sm90", "pool": "gpu-h100"}])
+    specs = load(path)
+    assert deploy.pools(specs) == {"cpu": ["enc/cpu"], "gpu-h100": ["enc/h100"], "gpu-sm90": ["enc/sm90"]}
+    plans = {p.full_name: p for p in deploy.plan(specs, "pipelines.yaml", "artifacts")}
+    assert set(plans) == {f"smelter-{flow}/{name}-{pool}" for flow, name in (("nightly", "nightly"), ("pipeline", "enc"))
+                          for pool in ("cpu", "gpu-h100", "gpu-sm90")}
+    assert plans["smelter-pipeline/enc-gpu-sm90"].parameters["targets"] == ["sm90"]
+    assert plans["smelter-pipeline/enc-gpu-sm90"].pool == "gpu-sm90"
+    assert all(p.schedule.cron == "0 2 * * *" for p in plans.values() if p.flow_name == "smelter-pipeline")
+
+
+def test_where_a_target_builds_is_not_part_of_its_engine_key(pipeline_factory, tiny_bert_dir):
+    path = pipeline_factory(tiny_bert_dir, "feature-extraction",
+                            targets=[{"name": "cpu", "backend": "onnxruntime", "pool": "big-cpus"}])
+    target = load(path).pipelines["tiny"].targets[0]
+    assert target.pool == "big-cpus" and "pool" not in target.model_dump()
+
+
+def test_prefect_yaml_is_the_same_set_smelter_deploy_serves():
+    generated = deploy.prefect_yaml(deploy.plan(load(REPO / "pipelines.yaml", check_env=False), "pipelines.yaml",
+                                                "artifacts"), "pipelines.yaml")
+    assert (REPO / "prefect.yaml").read_text() == generated, \
+        "prefect.yaml is stale: regenerate it with `smelter deploy --prefect-yaml prefect.yaml`"
+    document = yaml.safe_load(generated)
     for deployment in document["deployments"]:
-        module_path, _, name = deployment["entrypoint"].partition(":")
-        module = importlib.import_module(module_path.removesuffix(".py").replace("/", "."))
-        flow = getattr(module, name)
+        module, _, name = deployment["entrypoint"].partition(":")
+        flow = getattr(importlib.import_module(module), name)
         assert set(deployment["parameters"]) <= set(flow.parameters.properties), deployment["name"]
-        assert (REPO / deployment["parameters"]["file"]).is_file()
+
+
+def test_a_worker_without_the_project_says_what_to_set(tmp_path, monkeypatch):
+    monkeypatch.delenv("SMELTER_HOME", raising=False)
+    with pytest.raises(ProjectNotFound, match="Set SMELTER_HOME in the worker's environment"):
+        enter_project(str(tmp_path / "gone"))
+    monkeypatch.setenv("SMELTER_HOME", str(tmp_path / "elsewhere"))
+    with pytest.raises(ProjectNotFound, match="SMELTER_HOME="):
+        enter_project(str(tmp_path))
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("SMELTER_HOME", str(tmp_path))
+    assert enter_project("/recorded/at/deploy/time") == {"directory": str(tmp_path)}
+    assert Path.cwd() == tmp_path
+
+
+def _compose() -> dict:
+    return yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
+
+
+def test_compose_runs_a_worker_per_pool_with_a_gpu_for_each_gpu_pool():
+    services = _compose()["services"]
+    gpu_file = REPO / "docker" / "pipelines.gpu.yaml"
+    commands = {name: " ".join(s["command"]) if isinstance(s.get("command"), list) else s.get("command", "")
+                for name, s in services.items()}
+    for pool in deploy.pools(load(gpu_file, check_env=False)):
+        (worker,) = [n for n, c in commands.items() if f"worker start --pool {pool} " in c + " "]
+        env = services[worker]["environment"]
+        assert env["PREFECT_API_URL"] == "http://prefect:4200/api" and env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+        devices = services[worker].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        assert bool(devices) == pool.startswith("gpu-"), worker
+        assert all("gpu" in d["capabilities"] for d in devices)
+    assert "--pools" in commands["deploy"] and "postgresql" in commands["mlflow"] and "s3://" in commands["mlflow"]
+    assert services["prefect"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("postgresql+asyncpg://")
+    assert "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY" in services["mlflow"]["environment"]
+
+
+def _compose_client() -> list[str] | None:
+    """`docker compose` (the v2 plugin) when this machine has it; the docker CLI alone is not enough."""
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return None
+
+
+@pytest.mark.skipif(_compose_client() is None,
+                    reason="no docker compose client on this machine; the structure is checked by the test above")
+def test_compose_config_is_valid_for_docker_compose():
+    fernet_key = base64.urlsafe_b64encode(bytes(32)).decode()
+    done = subprocess.run([*_compose_client(), "-f", str(REPO / "docker" / "compose.yaml"), "config", "--quiet"],
+                          capture_output=True, text=True, timeout=60,
+                          env=os.environ | {"MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": fernet_key})
+    assert done.returncode == 0, done.stderr
