@@ -7,8 +7,8 @@ Every target maps to a work pool: its `pool:` when set, else `gpu-<arch>` for a 
 - `smelter-pipeline/<pipeline>`: one pipeline, on its `schedule:`.
 
 When a file's targets span several pools, each of these is split into one deployment per pool,
-named `<name>-<pool>` and given that pool's targets only, so every engine is built on a host of
-its kind. `smelter deploy` serves them from one process; `smelter deploy --pools` creates the
+named `<name>-<pool>` and limited to that pool's targets (the nightly one by its `pool` parameter,
+a pipeline's by its `targets`), so every engine is built on a host of its kind. `smelter deploy` serves them from one process; `smelter deploy --pools` creates the
 pools and registers the same deployments there for `prefect worker start --pool <pool>`;
 `smelter deploy --prefect-yaml` writes them out for `prefect deploy --all`.
 """
@@ -80,13 +80,10 @@ def _per_pool(targets_by_pool: dict[str, list[str]], name: str) -> list[tuple[st
 def plan(specs: PipelinesFile, file: str, artifacts: str) -> list[DeploymentPlan]:
     """Every deployment of a pipelines file; `file` and `artifacts` as the flows will see them."""
     common = {"file": file, "artifacts": artifacts}
-    everything: dict[str, list[str]] = {}
-    for pool, targets in pools(specs).items():
-        everything[pool] = [t.split("/", 1)[1] for t in targets]
-    found = [DeploymentPlan("smelter-nightly", name, pool, common | ({"targets": targets} if targets else {}),
+    found = [DeploymentPlan("smelter-nightly", name, pool, common | ({"pool": pool} if targets else {}),
                             f"Every pipeline in {file}{_on(pool, targets)}; run it ad hoc with "
                             f"`prefect deployment run 'smelter-nightly/{name}'`.", tags=[TAG])
-             for name, pool, targets in _per_pool(everything, "nightly")]
+             for name, pool, targets in _per_pool(pools(specs), "nightly")]
     for spec in specs.pipelines.values():
         if spec.schedule is None:
             continue

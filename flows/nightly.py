@@ -8,6 +8,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from flows import progress
+from flows.deploy import pool_of
 from flows.pipeline import pipeline_flow
 from tasks import notify
 from tasks.outcome import CandidateOutcome
@@ -28,11 +29,19 @@ def _failed_pipeline(spec: PipelineSpec, precisions: list[str] | None, targets: 
             for c in spec.candidates(precisions, targets)]
 
 
+def _pool_targets(spec: PipelineSpec, pool: str | None, targets: list[str] | None) -> list[str] | None:
+    """The selected targets of one pipeline that `pool` builds (all selected ones when no pool is given)."""
+    if pool is None:
+        return targets
+    return [t.name for t in spec.targets if pool_of(t) == pool and (not targets or t.name in targets)]
+
+
 @flow(name="smelter-nightly", flow_run_name="nightly")
 def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = None,
                  precisions: list[str] | None = None, targets: list[str] | None = None,
-                 force: bool = False, artifacts: str = "artifacts") -> list[dict[str, Any]]:
-    """Build every selected candidate of every selected pipeline; returns one summary per candidate."""
+                 force: bool = False, artifacts: str = "artifacts", pool: str | None = None) -> list[dict[str, Any]]:
+    """Build every selected candidate of every selected pipeline (only the targets of `pool`, when
+    given: what a pool's worker can build); returns one summary per candidate."""
     specs = load(file)
     try:
         retry_pending_task(file)
@@ -40,9 +49,12 @@ def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = Non
         progress.message(f"warning: retrying pending webhook events failed: {type(e).__name__}: {e}")
     summaries: list[dict[str, Any]] = []
     for name in pipelines or list(specs.pipelines):
+        chosen = _pool_targets(specs.pipelines[name], pool, targets)
+        if chosen == []:
+            continue
         try:
-            summaries += pipeline_flow(file, name, precisions=precisions, targets=targets, force=force,
+            summaries += pipeline_flow(file, name, precisions=precisions, targets=chosen, force=force,
                                        artifacts=artifacts)
         except Exception as e:  # noqa: BLE001 - one broken pipeline (MLflow down, ...) does not stop the others
-            summaries += _failed_pipeline(specs.pipelines[name], precisions, targets, e)
+            summaries += _failed_pipeline(specs.pipelines[name], precisions, chosen, e)
     return summaries

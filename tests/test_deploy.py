@@ -43,8 +43,22 @@ def test_targets_of_several_pools_split_each_deployment_per_pool(pipeline_factor
     assert set(plans) == {f"smelter-{flow}/{name}-{pool}" for flow, name in (("nightly", "nightly"), ("pipeline", "enc"))
                           for pool in ("cpu", "gpu-h100", "gpu-sm90")}
     assert plans["smelter-pipeline/enc-gpu-sm90"].parameters["targets"] == ["sm90"]
+    assert plans["smelter-nightly/nightly-gpu-h100"].parameters["pool"] == "gpu-h100"
     assert plans["smelter-pipeline/enc-gpu-sm90"].pool == "gpu-sm90"
     assert all(p.schedule.cron == "0 2 * * *" for p in plans.values() if p.flow_name == "smelter-pipeline")
+
+
+def test_a_pool_nightly_builds_only_its_own_targets_though_names_repeat(pipeline_factory, tiny_bert_dir):
+    from flows.nightly import _pool_targets
+
+    path = pipeline_factory(tiny_bert_dir, "feature-extraction", name="enc",
+                            targets=[{"name": "cpu", "backend": "onnxruntime", "pool": "cpu-large"},
+                                     {"name": "edge", "backend": "onnxruntime"}])
+    spec = load(path).pipelines["enc"]
+    assert _pool_targets(spec, "cpu-large", None) == ["cpu"]
+    assert _pool_targets(spec, "cpu", None) == ["edge"]
+    assert _pool_targets(spec, "cpu", ["cpu"]) == []
+    assert _pool_targets(spec, None, ["cpu"]) == ["cpu"]
 
 
 def test_where_a_target_builds_is_not_part_of_its_engine_key(pipeline_factory, tiny_bert_dir):
