@@ -490,7 +490,7 @@ def describe_pipeline_run(parent_run_id: str, outcomes: list[CandidateOutcome]) 
     anything was rebuilt (tag `rebuilt`: an unchanged nightly says false)."""
     lines = ["| candidate | status | version | reason |", "|---|---|---|---|"]
     for o in outcomes:
-        reason = o.error or "; ".join(o.gate_reasons) or ("the alias moved to it" if o.status == "promoted" else "")
+        reason = (o.decision.reason if o.decision else "") or o.error or "; ".join(o.gate_reasons)
         lines.append(f"| {o.candidate.name} | {o.status} | {o.model_version or '-'} | {reason.replace('|', '/')} |")
     counts = {s: sum(o.status == s for o in outcomes) for s in ("promoted", "passed", "rejected", "failed")}
     head = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no candidates"

@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks import tracking
-from tasks.outcome import CandidateOutcome
+from tasks.outcome import CandidateOutcome, Decision
 from tasks.store import ArtifactStore
 from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
 
@@ -75,6 +75,7 @@ def test_unchanged_rerun_says_nothing_was_rebuilt_and_the_parent_run_summarises_
     kept = candidate_outcome(store, spec, "fp32", "cpu", throughput=400.0)
     kept.stages = {name: dataclasses.replace(stage, cached=True) for name, stage in kept.stages.items()}
     kept.status, kept.model_version = "passed", "3"
+    kept.decision = Decision("enc/int8/cpu is faster")
     rejected = candidate_outcome(store, spec, "int8", "cpu", throughput=100.0, passed=False)
     rejected.stages = {name: dataclasses.replace(stage, cached=True) for name, stage in rejected.stages.items()}
     broken = failed_outcome(store, spec, "fp32", "sm90")
@@ -91,5 +92,5 @@ def test_unchanged_rerun_says_nothing_was_rebuilt_and_the_parent_run_summarises_
     assert parent.data.tags["rebuilt"] == "false"
     description = parent.data.tags["mlflow.note.content"]
     assert description.startswith("1 passed, 1 rejected, 1 failed.")
-    assert f"| {spec.name}/fp32/cpu | passed | 3 |" in description
+    assert f"| {spec.name}/fp32/cpu | passed | 3 | enc/int8/cpu is faster |" in description
     assert "p99_ms: 80 > max 50" in description and "invalid graph" in description
