@@ -168,8 +168,13 @@ def cmd_notify(args: argparse.Namespace) -> int:
 
 def cmd_webhooks(args: argparse.Namespace) -> int:
     from tasks.mlflow_webhooks import sync
+    from tasks.tracking import tracking_server
 
-    for change in sync(_load(args.file)):
+    specs = _load(args.file)
+    if tracking_server() is None:
+        print("warning: MLFLOW_TRACKING_URI is not an `mlflow server`; registry webhooks fire only from a server",
+              file=sys.stderr)
+    for change in sync(specs):
         print(f"{change['action']:<8} {change['webhook']}  {change['url']}  {change['pipelines']}".rstrip())
     return EXIT_OK
 
@@ -188,12 +193,12 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         return EXIT_OK
     needed = deploy.pools(specs)
     created = deploy.create_pools(list(needed))
+    deploy.register(plans, str(Path.cwd()))
     for pool, targets in needed.items():
         print(f"pool {pool:<16} {'created' if created[pool] else 'exists':<8} builds {', '.join(targets)}")
     for p in plans:
         schedule = f"cron {p.schedule.cron} {p.schedule.timezone}" if p.schedule else "ad hoc"
         print(f"deployment {p.full_name:<36} pool {p.pool:<16} {schedule}")
-    deploy.register(plans, str(Path.cwd()))
     print("next: on each pool's hosts, from this checkout: "
           + "; ".join(f"prefect worker start --pool {pool}" for pool in needed))
     return EXIT_OK

@@ -397,6 +397,12 @@ def log_directory(run_id: str, local_dir: Path, artifact_path: str) -> None:
     MlflowClient().log_artifacts(run_id, str(local_dir), artifact_path)
 
 
+def tracking_server() -> str | None:
+    """The MLflow server's URL, or None when the client writes a store directly."""
+    uri = mlflow.get_tracking_uri()
+    return uri if urlsplit(uri).scheme in ("http", "https") else None
+
+
 @dataclass(frozen=True)
 class RegistryWebhook:
     """One of MLflow's own registry webhooks (its secret is write-only: MLflow never returns it)."""
