@@ -85,7 +85,7 @@ def main() -> int:
                                    champion=champion, champion_build=lambda: champion_build, open_runner=opener)
             seconds = time.perf_counter() - started
         outcome = CandidateOutcome(Candidate(spec.name, args.precision, target.name), "passed",
-                                   stages={"build": candidate_build, "benchmark": for_candidate(result, name)},
+                                   stages={"build": candidate_build, "benchmark": for_candidate(result, name, champion)},
                                    gates=[GateResult("accuracy", True)])
         decide(spec, [outcome], {target.name: champion})
         vs = outcome.decision.vs_champion

@@ -16,6 +16,7 @@ from typing import Any
 from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
 from flows import progress
 from flows.stages import accuracy_task, benchmark_task, build_task, export_task, precision_task, validate_task
@@ -34,6 +35,12 @@ class _StageFailed(Exception):
         super().__init__(f"{stage}: {error}")
 
 
+def _unwrap(value: Any) -> Any:
+    """A stage task that found its output cached returns Prefect's `Cached` state (so the UI shows it); the flow
+    wants the StageResult inside."""
+    return value.result() if isinstance(value, State) else value
+
+
 class _Memo:
     """Runs each shared upstream stage once per flow run and remembers its result or failure."""
 
@@ -44,7 +51,7 @@ class _Memo:
         key = (stage, node)
         if key not in self._done:
             try:
-                self._done[key] = call()
+                self._done[key] = _unwrap(call())
             except Exception as e:  # noqa: BLE001 - any stage error fails its candidates, not the run
                 progress.stage_failed(node, stage, f"{type(e).__name__}: {e}")
                 self._done[key] = _StageFailed(stage, e)
@@ -88,9 +95,9 @@ def benchmark_target(spec: PipelineSpec, target: str, outcomes: list[CandidateOu
     node = f"{spec.name}/{target}"
     fetch = functools.partial(champion_build, spec, champion, store) if champion else None
     try:
-        result = benchmark_task.with_options(task_run_name=f"{node}/benchmark")(
+        result = _unwrap(benchmark_task.with_options(task_run_name=f"{node}/benchmark")(
             node, spec, target, {o.candidate.name: o.stages["build"] for o in built}, store,
-            champion=champion, champion_build=fetch, force=force)
+            champion=champion, champion_build=fetch, force=force))
     except Exception as e:  # noqa: BLE001 - the target's candidates fail; other targets go on
         progress.stage_failed(node, "benchmark", f"{type(e).__name__}: {e}")
         for outcome in built:
@@ -98,7 +105,7 @@ def benchmark_target(spec: PipelineSpec, target: str, outcomes: list[CandidateOu
             outcome.error = f"benchmark failed: {type(e).__name__}: {e}"
         return
     for outcome in built:
-        outcome.stages["benchmark"] = benchmark.for_candidate(result, outcome.candidate.name)
+        outcome.stages["benchmark"] = benchmark.for_candidate(result, outcome.candidate.name, champion)
 
 
 @task(name="gate", cache_policy=NO_CACHE, persist_result=False)

@@ -14,6 +14,7 @@ overwrite a clean measurement that later decisions read.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from tasks import stats
-from tasks.backends.base import Runner
+from tasks.backends.base import BackendUnavailable, Runner
 from tasks.build import open_engine
 from tasks.hostload import LoadWatch
 from tasks.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read_texts
@@ -99,14 +100,6 @@ def _extra_champion(champion: Champion | None, builds: dict[str, StageResult]) -
     return champion is not None and champion.build_key not in {b.key for b in builds.values()}
 
 
-def champion_label(champion: Champion | None, builds: dict[str, StageResult]) -> str | None:
-    """The contender that stands for the champion in the rounds: its candidate, or its own engine."""
-    if champion is None:
-        return None
-    same = [name for name, build in builds.items() if build.key == champion.build_key]
-    return same[0] if same else champion.label
-
-
 def run_benchmark(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult], store: ArtifactStore,
                   champion: Champion | None = None, champion_build: Callable[[], StageResult] | None = None,
                   force: bool = False, open_runner: OpenRunner = open_engine) -> StageResult:
@@ -136,13 +129,35 @@ def run_benchmark(spec: PipelineSpec, target_name: str, builds: dict[str, StageR
     return w.result
 
 
-def for_candidate(result: StageResult, candidate: str) -> StageResult:
-    """The target's measurement seen from one candidate: its own points and ratios, plus what all share."""
+def for_candidate(result: StageResult, candidate: str, champion: Champion | None = None) -> StageResult:
+    """The target's measurement seen from one candidate: its own points with their ratio to the reference
+    and, when `champion` was measured (as a candidate or as its own engine), to the champion, plus what
+    all share. Every pair of engines was compared in the rounds, so any of them can be the champion."""
     outputs = dict(result.outputs)
     mine = outputs.pop("engines", {}).get(candidate)
     if mine is None:
         raise KeyError(f"benchmark {result.key} did not measure candidate {candidate}")
+    outputs["champion"] = info = _champion_info(result, champion)
+    label = info["label"] if info else None
+    if label is not None and label != candidate:
+        comparisons = outputs.get("comparisons", [])
+        mine = {key: [row | _vs(comparisons, row, candidate, label, key == "decode") for row in rows]
+                for key, rows in mine.items() if key != "gate_point"}
+        at = result.outputs["engines"][candidate]["gate_point"]
+        mine["gate_point"] = next(p for p in mine["points"] if (p["batch"], p["seq"]) == (at["batch"], at["seq"]))
     return replace(result, manifest=result.manifest | {"outputs": outputs | mine})
+
+
+def _champion_info(result: StageResult, champion: Champion | None) -> dict[str, Any] | None:
+    """Which contender is the champion: the candidate with its build key, else its own engine (or why it is absent)."""
+    if champion is None:
+        return None
+    same = [name for name, key in result.manifest.get("inputs", {}).get("builds", {}).items()
+            if key == champion.build_key]
+    if same:
+        return {"version": champion.version, "registered_model": champion.registered_model,
+                "build_key": champion.build_key, "label": same[0], "unavailable": None, "permanent": False}
+    return result.outputs.get("champion")
 
 
 @dataclass
@@ -167,29 +182,26 @@ def _measure(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult
     try:
         for name, build in builds.items():
             runners[name] = open_runner(spec, build, threads=threads)
-        if champion is not None:
+        if _extra_champion(champion, builds):
             champion_info = {"version": champion.version, "registered_model": champion.registered_model,
-                             "build_key": champion.build_key, "label": champion_label(champion, builds),
-                             "among_candidates": not _extra_champion(champion, builds), "unavailable": None,
+                             "build_key": champion.build_key, "label": champion.label, "unavailable": None,
                              "permanent": False}
-            if champion_info["label"] == champion.label:
-                try:
-                    runners[champion.label] = open_runner(spec, champion_build(), threads=threads)
-                except Exception as e:  # noqa: BLE001 - recorded; the decision reads it
-                    champion_info["unavailable"] = f"{type(e).__name__}: {e}"
-                    champion_info["permanent"] = type(e).__name__ == "BackendUnavailable"
-                    champion_info["label"] = None
+            try:
+                runners[champion.label] = open_runner(spec, champion_build(), threads=threads)
+            except Exception as e:  # noqa: BLE001 - recorded; the decision reads it
+                champion_info |= {"label": None, "unavailable": f"{type(e).__name__}: {e}",
+                                  "permanent": isinstance(e, BackendUnavailable) or getattr(e, "permanent", False)}
         bench = _Bench(spec, list(builds), runners, reference, load_tokenizer(spec), texts, device)
-        label = champion_info["label"] if champion_info else None
-        measured = [(point, bench.measure(point, label)) for point in _points(spec)]
+        measured = [(point, bench.measure(point)) for point in _points(spec)]
     finally:
         for runner in runners.values():
             runner.close()
         torch.set_num_threads(previous_threads)
-    engines = {name: _engine_outputs(spec, name, label, measured) for name in builds}
+    engines = {name: _engine_outputs(spec, name, measured) for name in builds}
     outputs = {"engines": engines, "champion": champion_info, "reference": REFERENCE, "reference_device": device,
                "threads": threads, "method": stats.METHOD, "precision": spec.benchmark.precision,
-               "comparisons": [row for point, rounds in measured for row in _comparison_rows(point, rounds, label)]}
+               "comparisons": [row for point, rounds in measured
+                               for row in _comparison_rows(point, rounds, spec.benchmark.precision)]}
     return _Measured(outputs, _samples_table(measured))
 
 
@@ -204,19 +216,18 @@ def _points(spec: PipelineSpec) -> list[dict[str, int]]:
     return points
 
 
-def _engine_outputs(spec: PipelineSpec, name: str, champion: str | None,
-                    measured: list[tuple[dict[str, int], Rounds]]) -> dict[str, Any]:
+def _engine_outputs(spec: PipelineSpec, name: str, measured: list[tuple[dict[str, int], Rounds]]) -> dict[str, Any]:
     """One candidate's rows: prefill points, decode steps, and the gate point the gates read."""
     points, decode = [], []
     for point, rounds in measured:
-        row = _row(spec, point, rounds, name, champion)
+        row = _row(spec, point, rounds, name)
         (decode if point["decode"] else points).append(row)
     at = spec.gate_point
     gate = next(p for p in points if p["batch"] == at["batch"] and p["seq"] == at["seq"])
     return {"points": points, "gate_point": gate} | ({"decode": decode} if spec.model.is_decoder else {})
 
 
-def _row(spec: PipelineSpec, point: dict[str, int], rounds: Rounds, name: str, champion: str | None) -> dict[str, Any]:
+def _row(spec: PipelineSpec, point: dict[str, int], rounds: Rounds, name: str) -> dict[str, Any]:
     batch, seq = point["batch"], point["seq"]
     tokens = batch if point["decode"] else batch * seq
     engine = LatencySamples(rounds.calls_ms(name)).summary(batch, tokens)
@@ -224,8 +235,6 @@ def _row(spec: PipelineSpec, point: dict[str, int], rounds: Rounds, name: str, c
     row: dict[str, Any] = {"batch": batch} | ({"past": point["past"]} if point["decode"] else {"seq": seq})
     row |= engine | {f"reference_{k}": v for k, v in reference.items()}
     row |= _ratio_fields("speedup_vs_reference", rounds.ratio(REFERENCE, name), spec.benchmark.precision)
-    if champion is not None and champion != name:
-        row |= _ratio_fields("vs_champion", rounds.ratio(champion, name), spec.benchmark.precision)
     return row | {"rounds": rounds.count, "seconds": round(rounds.seconds, 3)}
 
 
@@ -234,17 +243,34 @@ def _ratio_fields(prefix: str, ratio: stats.Ratio, precision: float) -> dict[str
             f"{prefix}_conclusive": ratio.conclusive(precision)}
 
 
-def _comparison_rows(point: dict[str, int], rounds: Rounds, champion: str | None) -> list[dict[str, Any]]:
-    """Every ratio measured at one point, as the MLflow comparison table shows them."""
+def _comparison_rows(point: dict[str, int], rounds: Rounds, precision: float) -> list[dict[str, Any]]:
+    """Every ratio measured at one point: `engine` is `ratio` times as fast as `versus` (the MLflow comparison table)."""
     rows = []
     for baseline, contender in rounds.pairs:
         ratio = rounds.ratio(baseline, contender)
-        rows.append({"batch": point["batch"], "seq": point["seq"], "past": point["past"],
-                     "step": "decode" if point["decode"] else "prefill", "engine": contender,
-                     "versus": "champion" if baseline == champion else baseline, "versus_engine": baseline,
-                     "ratio": ratio.ratio, "ci_low": ratio.low, "ci_high": ratio.high,
-                     "half_width": ratio.half_width, "rounds": ratio.rounds})
+        rows.append({"step": "decode" if point["decode"] else "prefill", "batch": point["batch"], "seq": point["seq"],
+                     "past": point["past"], "engine": contender, "versus": baseline, "ratio": ratio.ratio,
+                     "ci_low": ratio.low, "ci_high": ratio.high, "half_width": ratio.half_width,
+                     "rounds": ratio.rounds, "conclusive": ratio.conclusive(precision)})
     return rows
+
+
+def _vs(comparisons: list[dict[str, Any]], row: dict[str, Any], name: str, baseline: str,
+        decode: bool) -> dict[str, Any]:
+    """`name` against `baseline` at the point of `row`, read either way round from the comparison table."""
+    where = {"step": "decode" if decode else "prefill", "batch": row["batch"]}
+    where |= {"past": row["past"]} if decode else {"seq": row["seq"]}
+    for found in comparisons:
+        if any(found[k] != v for k, v in where.items()):
+            continue
+        if (found["engine"], found["versus"]) == (name, baseline):
+            ratio, low, high = found["ratio"], found["ci_low"], found["ci_high"]
+        elif (found["engine"], found["versus"]) == (baseline, name):
+            ratio, low, high = 1 / found["ratio"], 1 / found["ci_high"], 1 / found["ci_low"]
+        else:
+            continue
+        return {"vs_champion": ratio, "vs_champion_ci": [low, high], "vs_champion_conclusive": found["conclusive"]}
+    return {}
 
 
 def reference_device(builds: Any) -> str:
@@ -278,13 +304,15 @@ class _Bench:
         return point_feeds(self.spec, self.tokenizer, self.reference, self.texts,
                            {"batch": batch, "seq": seq, "past": past}, self.input_names)
 
-    def measure(self, point: dict[str, int], champion: str | None) -> Rounds:
+    def measure(self, point: dict[str, int]) -> Rounds:
+        """Every engine against the reference, every candidate against each other and against an extra champion."""
         feeds = self.feeds(point["batch"], point["seq"], point["past"])
         forward = reference_call(self.timed_reference, feeds, self.spec.model.task, self.device)
         contenders = [Contender(REFERENCE, lambda n: time_call_ms(forward, 0, n))]
         contenders += [Contender(name, engine_timer(runner, feeds)) for name, runner in self.runners.items()]
         pairs = [(REFERENCE, name) for name in self.candidates]
-        pairs += [(champion, name) for name in self.candidates if champion is not None and name != champion]
+        pairs += list(itertools.combinations(self.candidates, 2))
+        pairs += [(extra, name) for extra in self.runners if extra not in self.candidates for name in self.candidates]
         settings = self.spec.benchmark
         return measure_rounds(contenders, pairs, warmup=settings.warmup, min_rounds=settings.min_rounds,
                               max_seconds=settings.max_seconds, precision=settings.precision)

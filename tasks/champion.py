@@ -23,7 +23,12 @@ CHAMPIONS_DIR = "_champions"
 
 
 class ChampionUnavailable(RuntimeError):
-    """The champion's engine cannot be had here (gone from the store and the registry, or corrupt)."""
+    """The champion's engine cannot be had here. `permanent`: it never will be (its registry files are
+    corrupt), so the alias may move away from it; otherwise (a registry that did not answer) nothing moves."""
+
+    def __init__(self, message: str, *, permanent: bool):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def _intact(engine_dir: Path) -> dict | None:
@@ -54,7 +59,7 @@ def champion_build(spec: PipelineSpec, champion: Champion, store: ArtifactStore)
             if manifest is None:
                 raise ChampionUnavailable(
                     f"{champion.label} of {champion.registered_model}: the registry's files do not match the "
-                    f"hashes in their build manifest; not measuring a corrupt engine")
+                    f"hashes in their build manifest; not measuring a corrupt engine", permanent=True)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(got, final)

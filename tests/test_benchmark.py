@@ -105,19 +105,35 @@ def test_the_champion_engine_is_measured_in_the_same_rounds_unless_it_is_a_candi
     result = run_benchmark(spec, "cpu", {"tiny/fp32/cpu": built["cpu"]}, store, champion=champion,
                            champion_build=fetch)
     assert fetched == ["7"]
-    assert {"label": "champion v7", "among_candidates": False, "unavailable": None}.items() <= result.outputs[
-        "champion"].items()
+    assert {"label": "champion v7", "unavailable": None}.items() <= result.outputs["champion"].items()
     assert "champion v7" in set(pd.read_csv(result.file(SAMPLES))["engine"])
-    gate = for_candidate(result, "tiny/fp32/cpu").outputs["gate_point"]
+    gate = for_candidate(result, "tiny/fp32/cpu", champion).outputs["gate_point"]
     low, high = gate["vs_champion_ci"]
     assert low <= gate["vs_champion"] <= high and isinstance(gate["vs_champion_conclusive"], bool)
-    assert {r["versus"] for r in result.outputs["comparisons"]} == {REFERENCE, "champion"}
+    assert {r["versus"] for r in result.outputs["comparisons"]} == {REFERENCE, "champion v7"}
 
     # The same engine as the champion is the champion: no comparison with itself, no extra engine.
     same = run_benchmark(spec, "cpu", {"tiny/fp32/cpu-basic": built["cpu-basic"]}, store, champion=champion,
                          champion_build=fetch)
-    assert fetched == ["7"] and same.outputs["champion"]["among_candidates"]
-    assert "vs_champion" not in for_candidate(same, "tiny/fp32/cpu-basic").outputs["gate_point"]
+    view = for_candidate(same, "tiny/fp32/cpu-basic", champion)
+    assert fetched == ["7"] and view.outputs["champion"]["label"] == "tiny/fp32/cpu-basic"
+    assert "vs_champion" not in view.outputs["gate_point"]
+
+
+def test_every_pair_of_candidates_is_compared_so_any_of_them_can_become_the_champion(
+        encoder: tuple[PipelineSpec, ArtifactStore]) -> None:
+    spec, store = encoder
+    built = engines(spec, store)
+    builds = {"tiny/fp32/cpu": built["cpu"], "tiny/fp32/cpu-basic": built["cpu-basic"]}
+    result = run_benchmark(spec, "cpu", builds, store)  # measured while there was no champion
+    champion = Champion("tiny-cpu", "1", "run-1", built["cpu-basic"].key, "fp32")
+    gate = for_candidate(result, "tiny/fp32/cpu", champion).outputs["gate_point"]
+    row = next(r for r in result.outputs["comparisons"] if {r["engine"], r["versus"]} == set(builds)
+               and r["step"] == "prefill" and r["batch"] == gate["batch"])
+    forward = row["engine"] == "tiny/fp32/cpu"
+    assert gate["vs_champion"] == pytest.approx(row["ratio"] if forward else 1 / row["ratio"])
+    assert gate["vs_champion_ci"] == pytest.approx(
+        [row["ci_low"], row["ci_high"]] if forward else [1 / row["ci_high"], 1 / row["ci_low"]])
 
 
 def test_a_champion_that_cannot_be_loaded_is_recorded_with_the_reason(encoder: tuple[PipelineSpec, ArtifactStore]) -> None:
@@ -129,9 +145,9 @@ def test_a_champion_that_cannot_be_loaded_is_recorded_with_the_reason(encoder: t
         raise BackendUnavailable("engine built for another CPU")
 
     result = run_benchmark(spec, "cpu", {"tiny/fp32/cpu": built["cpu"]}, store, champion=champion, champion_build=fetch)
-    recorded = result.outputs["champion"]
+    recorded = for_candidate(result, "tiny/fp32/cpu", champion).outputs["champion"]
     assert recorded["label"] is None and recorded["permanent"] and "another CPU" in recorded["unavailable"]
-    assert "vs_champion" not in for_candidate(result, "tiny/fp32/cpu").outputs["gate_point"]
+    assert "vs_champion" not in for_candidate(result, "tiny/fp32/cpu", champion).outputs["gate_point"]
 
 
 def _spin(stop: multiprocessing.synchronize.Event) -> None:

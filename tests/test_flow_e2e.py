@@ -87,7 +87,7 @@ def test_run_promotes_records_notifies_and_reruns_cached(
     assert event["version"] == str(promoted["model_version"]) and event["precision"] == promoted["precision"]
 
     code, again = run_json(capsys, "-f", str(path), "--artifacts", artifacts)
-    assert code == 0
+    assert code == 0, [(c["candidate"], c["status"], c["error"]) for c in again["candidates"]]
     for candidate in again["candidates"]:
         remeasured = [n for n, stage in candidate["stages"].items() if not stage["cached"]]
         assert remeasured in ([], ["benchmark"]), candidate["stages"]  # a contended benchmark is measured again
