@@ -53,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
                              "(for `prefect worker start --pool NAME`) instead of serving them from this process")
     deploy.add_argument("--prefect-yaml", metavar="PATH",
                         help="write the same deployments as a prefect.yaml for `prefect deploy --all`, and exit")
+    compare = with_file(sub.add_parser("compare", help="time two registered engine versions side by side here"))
+    compare.add_argument("registered_model", help="e.g. minilm-cpu (<pipeline>-<target>)")
+    compare.add_argument("version_a", help="the baseline version")
+    compare.add_argument("version_b", help="the version compared with it")
+    compare.add_argument("--batch", type=int, help="batch size (default: the pipeline's gate point)")
+    compare.add_argument("--seq", type=int, help="sequence length (default: the pipeline's gate point)")
+    compare.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return parser
 
 
@@ -83,12 +90,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _champions(specs: Any) -> dict[str, dict[str, Any]]:
+    """Each (pipeline, target)'s champion from the registry; none when the registry cannot be read."""
+    from tasks import tracking
+
+    try:
+        return {s.name: {t.name: tracking.champion(s, t.name) for t in s.targets} for s in specs.pipelines.values()}
+    except Exception as e:  # noqa: BLE001 - plan still shows what it can; benchmark keys assume no champion
+        print(f"warning: cannot read champions from the registry ({type(e).__name__}: {e}); "
+              "benchmark rows assume none", file=sys.stderr)
+        return {}
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     specs = _load(args.file, check_env=False)
     from flows.plan import plan_rows
     from tasks.store import ArtifactStore
 
-    for row in plan_rows(specs, ArtifactStore(args.artifacts)):
+    for row in plan_rows(specs, ArtifactStore(args.artifacts), _champions(specs)):
         note = f"  ({row['note']})" if row["note"] else ""
         print(f"{row['node']:<34} {row['stage']:<10} {row['state']:<7} {row['key']}{note}")
     return EXIT_OK
@@ -138,6 +157,14 @@ def _reason(summary: dict[str, Any]) -> str:
             "passed": "passed every gate"}.get(summary["status"], "")
 
 
+def _version(summary: dict[str, Any]) -> str:
+    """The registry version, marked when it holds the promotion alias."""
+    if not summary.get("model_version"):
+        return "-"
+    holds = (summary.get("decision") or {}).get("holds_alias")
+    return f"v{summary['model_version']}" + (" @alias" if holds else "")
+
+
 def _key_metric(summary: dict[str, Any], specs: Any) -> str:
     """The pipeline's objective at its gate point: throughput, or p99 latency."""
     spec = specs.pipelines.get(summary["pipeline"])
@@ -150,11 +177,34 @@ def _key_metric(summary: dict[str, Any], specs: Any) -> str:
 def summary_table(summaries: list[dict[str, Any]], specs: Any) -> str:
     """The table `smelter run` prints last: status, registry version, key metric and the reason."""
     rows = [("candidate", "status", "version", "key metric", "reason")]
-    rows += [(s["candidate"], s["status"], f"v{s['model_version']}" if s.get("model_version") else "-",
-              _key_metric(s, specs), _reason(s)) for s in summaries]
+    rows += [(s["candidate"], s["status"], _version(s), _key_metric(s, specs), _reason(s)) for s in summaries]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4]
                      for row in rows)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tasks.compare import compare_versions, find_registered_model
+    from tasks.store import ArtifactStore
+
+    owner = find_registered_model(_load(args.file, check_env=False), args.registered_model)
+    for flag in ("batch", "seq"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            print(f"error: --{flag} must be a positive integer, got {getattr(args, flag)}", file=sys.stderr)
+            return EXIT_INVALID
+    with contextlib.redirect_stdout(sys.stderr):
+        result = compare_versions(owner, args.version_a, args.version_b, ArtifactStore(args.artifacts),
+                                  batch=args.batch, seq=args.seq)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return EXIT_OK
+    low, high = result["ci"]
+    verdict = "conclusive" if result["conclusive"] else "inconclusive"
+    print(f"{result['registered_model']} v{result['b']} vs v{result['a']} at batch {result['batch']} x seq "
+          f"{result['seq']}: v{result['b']} is {result['ratio']:.3g}x as fast [{low:.3g}, {high:.3g}] "
+          f"(95% interval, {result['rounds']} rounds in {result['seconds']} s, {verdict}; "
+          f"other processes used {result['host']['foreign_cpu_share']:.0%} of the CPU)")
+    return EXIT_OK
 
 
 def cmd_notify(args: argparse.Namespace) -> int:
@@ -205,7 +255,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "notify": cmd_notify, "deploy": cmd_deploy,
-            "webhooks": cmd_webhooks}
+            "webhooks": cmd_webhooks, "compare": cmd_compare}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect's temporary server gets 20 s to start by default; a busy 2-core machine needs longer.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     try:
         return COMMANDS[args.command](args)
     except SpecError as e:

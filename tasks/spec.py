@@ -7,6 +7,7 @@ config fails in a second instead of after an hour of exports.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 from pathlib import Path
@@ -130,8 +131,10 @@ class BenchmarkSpec(_Strict):
     batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8], min_length=1)
     seq_lens: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [128], min_length=1)
     past_len: int = Field(64, ge=1, description="decoders: past length for the decode-step latency")
-    warmup: int = Field(10, ge=0)
-    repeats: int = Field(50, ge=3)
+    warmup: int = Field(5, ge=0, description="untimed calls of each engine before the rounds")
+    min_rounds: int = Field(10, ge=3, le=10_000, description="interleaved rounds before the stopping rule is checked")
+    max_seconds: float = Field(30.0, gt=0, le=3600, description="time budget per shape point; past it, inconclusive")
+    precision: float = Field(0.05, gt=0, le=1, description="stop when every ratio's 95% interval is within ±this")
     threads: int | None = Field(None, ge=1, description="intra-op threads; None = all cores")
 
 
@@ -143,6 +146,9 @@ class Threshold(_Strict):
     def _one_bound(self) -> Threshold:
         if self.min is None and self.max is None:
             raise ValueError("a threshold needs 'min' or 'max'")
+        for name, bound in (("min", self.min), ("max", self.max)):
+            if bound is not None and not math.isfinite(bound):
+                raise ValueError(f"'{name}' must be a finite number, got {bound}: it would disable the gate")
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ValueError(f"min {self.min} is above max {self.max}")
         return self
@@ -163,16 +169,18 @@ class AccuracySpec(_Strict):
     samples: int = Field(64, ge=1)
     seq_len: int = Field(128, ge=2)
     gates: dict[str, Threshold] = Field(default_factory=dict)
-    champion_tolerance: float = Field(
-        0.002, ge=0, le=1, description="how far a metric may be worse than the champion's: absolute for "
-        "scores in [0, 1] (cosine, agreement), relative to max(|champion|, 1) for errors")
+    regression_tolerance: float = Field(
+        0.01, ge=0, le=1, description="how much worse a gated metric may be than the previous version of the same "
+        "(pipeline, precision, target): relative to the previous value (errors below 1 relative to 1)")
 
 
 class PerformanceSpec(_Strict):
     gates: dict[str, Threshold] = Field(default_factory=dict)
     objective: Literal["throughput", "latency"] = "throughput"
-    at: dict[str, int] | None = Field(None, description="{batch, seq} the gates read; default largest batch, first seq")
-    regression_tolerance: float = Field(0.05, ge=0, le=1, description="allowed slowdown vs champion")
+    at: dict[str, int] | None = Field(None, description="{batch, seq} the gates and the objective read; default "
+                                      "the largest batch (throughput) or the smallest (latency), first seq")
+    min_improvement: float = Field(0.05, ge=0, le=10, description="how much faster than the champion a candidate "
+                                   "must be, conclusively, to take the alias")
 
 
 class WebhookSpec(_Strict):
@@ -286,8 +294,10 @@ class PipelineSpec(_Strict):
 
     @property
     def gate_point(self) -> dict[str, int]:
-        """The (batch, seq) that performance gates and the objective read."""
-        return self.performance.at or {"batch": max(self.benchmark.batch_sizes), "seq": self.benchmark.seq_lens[0]}
+        """The (batch, seq) that performance gates and the objective read: throughput is judged at the
+        largest batch, latency at the smallest, unless `performance.at` says otherwise."""
+        pick = max if self.performance.objective == "throughput" else min
+        return self.performance.at or {"batch": pick(self.benchmark.batch_sizes), "seq": self.benchmark.seq_lens[0]}
 
     def candidates(self, precisions: list[str] | None = None, targets: list[str] | None = None) -> list[Candidate]:
         """Every (precision, target) candidate, or those the filters name (an empty filter keeps all)."""

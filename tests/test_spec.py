@@ -12,7 +12,7 @@ from tasks.spec import SpecError, load, parse_bytes, select
 
 VALID = """\
 defaults:
-  benchmark: {batch_sizes: [1, 4], seq_lens: [16], warmup: 1, repeats: 3}
+  benchmark: {batch_sizes: [1, 4], seq_lens: [16], warmup: 1, min_rounds: 3}
 pipelines:
   enc:
     model: {path: MODEL, task: feature-extraction}
@@ -63,7 +63,7 @@ BAD_CASES = {
     "yaml syntax": (VALID.replace("precisions: [fp32, int8]", "precisions: [fp32, int8"), 9, "YAML syntax error"),
     "unknown key": (VALID.replace("    precisions:", "    precisoins: [fp32]\n    precisions:"), 8,
                     "pipelines.enc.precisoins: unknown key"),
-    "wrong type": (VALID.replace("repeats: 3", "repeats: many"), 2, "pipelines.enc.benchmark.repeats"),
+    "wrong type": (VALID.replace("min_rounds: 3", "min_rounds: many"), 2, "pipelines.enc.benchmark.min_rounds"),
     "missing model path": (VALID.replace("path: MODEL", "path: /nonexistent/model"), 5,
                            "pipelines.enc.model.path: expected a model directory with config.json"),
     "unsupported task": (VALID.replace("feature-extraction", "image-segmentation"), 5, "pipelines.enc.model.task"),
@@ -117,9 +117,9 @@ def test_webhook_secret_must_be_set(workdir: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_every_problem_is_reported_at_once(workdir: Path) -> None:
-    text = VALID.replace("repeats: 3", "repeats: many").replace("[fp32, int8]", "[fp32, int4]")
+    text = VALID.replace("min_rounds: 3", "min_rounds: many").replace("[fp32, int8]", "[fp32, int4]")
     message = problems(write(workdir, text))
-    assert "benchmark.repeats" in message and "precisions.1" in message
+    assert "benchmark.min_rounds" in message and "precisions.1" in message
 
 
 @pytest.mark.parametrize("case", ["yaml syntax", "unknown key", "missing model path"])
