@@ -19,14 +19,15 @@ from tasks.spec import PipelinesFile
 
 def deployments(specs: PipelinesFile, file: str, artifacts: str) -> list[Any]:
     """The RunnerDeployments for a pipelines file, schedules taken from each pipeline."""
+    paths = {"allow_outside_paths": True} if specs.allow_outside_paths else {}
     found = [nightly_flow.to_deployment(
-        name="nightly", parameters={"file": file, "artifacts": artifacts},
+        name="nightly", parameters={"file": file, "artifacts": artifacts, **paths},
         description="Every pipeline in the pipelines file; trigger ad hoc with `prefect deployment run`.")]
     for spec in specs.pipelines.values():
         if spec.schedule is None:
             continue
         found.append(pipeline_flow.to_deployment(
-            name=spec.name, parameters={"file": file, "pipeline": spec.name, "artifacts": artifacts},
+            name=spec.name, parameters={"file": file, "pipeline": spec.name, "artifacts": artifacts, **paths},
             schedules=[Cron(spec.schedule.cron, timezone=spec.schedule.timezone)],
             tags=["smelter", spec.name], description=f"Nightly build of pipeline {spec.name}"))
     return found
