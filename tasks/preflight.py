@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks import exporter_support
+from tasks.bounded_read import read_bounded
 from tasks.yaml_source import clip, shown
 
 if TYPE_CHECKING:
@@ -76,14 +76,9 @@ def text_file_problem(path: Path, samples: int, wanted_by: str) -> str | None:
     """Why `path` is not a readable UTF-8 text file with at least `samples` non-empty lines, or None."""
     where = clip(str(path))
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        data = read_bounded(path, MAX_DATA_BYTES)
     except OSError as e:
         return f"expected a text file, cannot read {where}: {e.strerror}"
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
-        if not stat.S_ISREG(mode):
-            return f"expected a text file, {where} is {'a directory' if stat.S_ISDIR(mode) else 'not a regular file'}"
-        data = f.read(MAX_DATA_BYTES + 1)
     if len(data) > MAX_DATA_BYTES:
         return f"{where} is larger than {MAX_DATA_BYTES >> 20} MiB; expected text, one sample per line"
     try:
@@ -130,13 +125,9 @@ def read_config(path: Path) -> tuple[dict[str, Any], str | None]:
     """A model's config.json as a mapping, or why it cannot be read."""
     where = clip(str(path))
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        data = read_bounded(path, MAX_CONFIG_BYTES)
     except OSError as e:
         return {}, f"expected a model directory with config.json, cannot read {where}: {e.strerror}"
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return {}, f"{where} is not a regular file"
-        data = f.read(MAX_CONFIG_BYTES + 1)
     if len(data) > MAX_CONFIG_BYTES:
         return {}, f"{where} is larger than {MAX_CONFIG_BYTES >> 20} MiB; not a model config"
     try:

@@ -7,15 +7,15 @@ and every problem carries the line and the key path where it was found.
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tasks.bounded_read import read_bounded
 
 MAX_FILE_BYTES = 256 << 10
 MAX_VALUES = 20_000
@@ -55,7 +55,8 @@ class YamlDocument:
 
     def line(self, loc: tuple[Any, ...]) -> tuple[int | None, bool]:
         """The line of the deepest node on the path, and whether the whole path was found."""
-        node, best = self.root, None
+        node = self.root
+        best = node.start_mark.line + 1 if node is not None else None
         for part in loc:
             if isinstance(node, yaml.MappingNode):
                 pair = next(((k, v) for k, v in node.value if k.value == str(part)), None)
@@ -96,15 +97,7 @@ def read(path: Path) -> YamlDocument:
 
 
 def _read_bytes(path: Path) -> bytes:
-    """At most MAX_FILE_BYTES of a regular file; a FIFO or device is refused before it can block a read."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
-        if stat.S_ISDIR(mode):
-            raise YamlProblem(None, "(top level)", "is a directory; expected a pipelines YAML file")
-        if not stat.S_ISREG(mode):
-            raise YamlProblem(None, "(top level)", "is not a regular file; expected a pipelines YAML file")
-        data = f.read(MAX_FILE_BYTES + 1)
+    data = read_bounded(path, MAX_FILE_BYTES)
     if len(data) > MAX_FILE_BYTES:
         raise YamlProblem(None, "(top level)", f"is larger than {MAX_FILE_BYTES} bytes; a pipelines file is "
                                                "a few kilobytes")
@@ -143,14 +136,17 @@ def _located(error: yaml.YAMLError, text: str, loader: _BoundedLoader) -> YamlPr
         line = text.count("\n", 0, error.position) + 1
         return YamlProblem(line, _key_at(text, line),
                            f"character {shown(chr(error.character))} is not allowed in YAML ({error.reason})")
-    mark = getattr(error, "problem_mark", None)
-    line = mark.line + 1 if mark else 1
     problem = getattr(error, "problem", None) or str(error)
     context = getattr(error, "context", None)
-    syntax = isinstance(error, yaml.scanner.ScannerError | yaml.parser.ParserError)
-    message = f"{problem} ({context})" if context else problem
-    key = loader.error_path or loader.path_at_line(line) or _key_at(text, line)
-    return YamlProblem(line, key, f"{'YAML syntax error' if syntax else 'YAML error'}: {clip(message)}")
+    mark = getattr(error, "problem_mark", None)
+    if "end of stream" in problem and getattr(error, "context_mark", None):
+        mark = error.context_mark  # an unclosed quote or bracket: where it was opened, not the file's end
+    line = mark.line + 1 if mark else 1
+    message = clip(f"{problem} ({context})" if context else problem)
+    if isinstance(error, yaml.scanner.ScannerError | yaml.parser.ParserError):
+        return YamlProblem(line, loader.error_path or _key_at(text, line), f"YAML syntax error: {message}")
+    key = loader.error_path or (loader.path_at(mark) if mark else "") or "(top level)"
+    return YamlProblem(line, key, f"YAML error: {message}")
 
 
 if yaml.__with_libyaml__:
@@ -284,9 +280,17 @@ class _BoundedLoader(yaml.composer.Composer, yaml.constructor.SafeConstructor, y
     def _path_of(self, target: yaml.Node) -> str:
         return next((key_path(parts) for node, parts in self._paths() if node is target), "(top level)")
 
-    def path_at_line(self, line: int) -> str:
-        """The deepest key path whose value starts on `line` of the composed document, or ''."""
-        found = [parts for node, parts in self._paths() if node.start_mark.line + 1 == line]
+    def path_at(self, mark: yaml.Mark) -> str:
+        """The key path of the node starting at `mark`, else of the deepest node around it, or ''."""
+        at = (mark.line, mark.column)
+        starting, around = [], []
+        for node, parts in self._paths():
+            start, end = (node.start_mark.line, node.start_mark.column), (node.end_mark.line, node.end_mark.column)
+            if start == at:
+                starting.append(parts)
+            elif start <= at < end:
+                around.append(parts)
+        found = starting or around
         return key_path(max(found, key=len)) if found else ""
 
 
