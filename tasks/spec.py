@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tasks import preflight
 from tasks.backends.table import BACKENDS, PRECISIONS
 from tasks.redact import redacted_url
-from tasks.yaml_source import YamlDocument, YamlProblem, clip, key_path, read, shown
+from tasks.yaml_source import YamlDocument, YamlProblem, clip, key_path, printable, read, shown
 
 TASKS = ("feature-extraction", "text-classification", "text-generation", "text-generation-with-past")
 DECODER_TASKS = ("text-generation", "text-generation-with-past")
@@ -54,12 +54,15 @@ MAX_PATTERNS = 10_000
 NAME = r"^[a-z0-9][a-z0-9_-]*$"
 
 
+MAX_PROBLEM_CHARS = 1000
+
+
 class SpecError(Exception):
     """An invalid pipelines.yaml; `problems` are full sentences naming file, line and key."""
 
     def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
+        self.problems = [clip(printable(p), MAX_PROBLEM_CHARS) for p in _bounded(problems)]
+        super().__init__("\n".join(self.problems))
 
 
 class _Strict(BaseModel):
@@ -614,35 +617,39 @@ class _Report:
         where = f"{self.file}:{line}" if line else str(self.file)
         return _redact_urls(f"{where}: {key_path(list(loc))}: {message}")
 
-    def pydantic(self, prefix: tuple, err: ValidationError) -> list[str]:
-        return [self.describe(*_pydantic_problem(prefix, e)) for e in err.errors()]
+    def pydantic(self, prefix: tuple, err: ValidationError, data: Any) -> list[str]:
+        return [self.describe(*_pydantic_problem(prefix, e, data)) for e in err.errors()]
 
 
-def _pydantic_problem(prefix: tuple, error: Any) -> Located:
-    """One pydantic error as (key path, message), in the words of the file rather than of the model."""
-    loc = list(error["loc"])
+def _pydantic_problem(prefix: tuple, error: Any, data: Any) -> Located:
+    """One pydantic error as (key path, message), in the words of the file rather than of the model.
+
+    Pydantic's path also names union members (`tensorrt`, `str`, `list[int]`); walking it along
+    the data the user wrote keeps only the keys and indexes that are really in the file.
+    """
     kind = error["type"]
+    loc, parts, node, backend = list(error["loc"]), [], data, None
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int) and \
+                0 <= part < len(node):
+            parts.append(part)
+            node = node[part]
+        elif isinstance(node, dict) and part in TARGET_CLASSES and node.get("backend") == part:
+            backend = part
+        elif kind == "missing" and i == len(loc) - 1:
+            parts.append(part)
     msg = error["msg"].removeprefix("Value error, ")
-    if "targets" in loc:  # a discriminated union puts the chosen backend into the path
-        at = loc.index("targets") + 2
-        if len(loc) > at and loc[at] in TARGET_CLASSES:
-            backend = loc.pop(at)
-            if kind == "extra_forbidden":
-                msg = _foreign_setting(str(loc[-1]), backend)
     if kind in ("union_tag_not_found", "union_tag_invalid"):
-        loc.append("backend")
+        parts.append("backend")
         msg = (f"unknown backend {shown(error['input'].get('backend'))}; " if kind == "union_tag_invalid" else
                "required key is missing; ") + f"expected one of {', '.join(BACKENDS)}"
-    elif kind == "extra_forbidden" and not msg.startswith("not a setting"):
-        msg = "unknown key"
+    elif kind == "extra_forbidden":
+        msg = _foreign_setting(str(parts[-1]), backend) if backend else "unknown key"
     elif kind == "missing":
         msg = "required key is missing"
-    elif kind in ("literal_error", "enum"):
-        msg = f"{msg} (got {shown(error['input'])})"
     elif "input" in error and kind not in ("value_error", "assertion_error"):
         msg = f"{msg} (got {shown(error['input'])})"
-    parts = tuple(p for p in loc if isinstance(p, int) or "[" not in p)
-    return prefix + parts, msg
+    return prefix + tuple(parts), msg
 
 
 def _foreign_setting(key: str, backend: str) -> str:
@@ -707,9 +714,9 @@ def load(path: str | os.PathLike, *, pipelines: Sequence[str] | None = None, che
         if spec is not None and not found:
             parsed[name] = spec
     if problems:
-        raise SpecError(_bounded(problems))
-    return PipelinesFile(path=file, pipelines=parsed, warnings=_bounded(warnings),
-                         allow_outside_paths=allow_outside_paths)
+        raise SpecError(problems)
+    return PipelinesFile(path=file, pipelines=parsed, allow_outside_paths=allow_outside_paths,
+                         warnings=[clip(printable(w), MAX_PROBLEM_CHARS) for w in _bounded(warnings)])
 
 
 def _check_pipeline(report: _Report, name: str, body: Any, defaults: dict, base_dir: Path, check_env: bool,
@@ -720,10 +727,11 @@ def _check_pipeline(report: _Report, name: str, body: Any, defaults: dict, base_
         return [report.describe(where, "expected a mapping")], [], None
     if "name" in body or "base_dir" in body:
         return [report.describe(where, "'name'/'base_dir' are set by smelter")], [], None
+    merged = _merge(defaults, body) | {"name": name, "base_dir": base_dir}
     try:
-        spec = PipelineSpec.model_validate(_merge(defaults, body) | {"name": name, "base_dir": base_dir})
+        spec = PipelineSpec.model_validate(merged)
     except ValidationError as e:
-        return report.pydantic(where, e), [], None
+        return report.pydantic(where, e, merged), [], None
     checks = preflight.check(spec, allow_outside_paths=allow_outside_paths, check_env=check_env)
     problems = _semantic_problems(spec) + checks.problems
     return ([report.describe(where + loc, msg) for loc, msg in problems],

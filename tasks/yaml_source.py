@@ -33,6 +33,11 @@ def clip(text: str, limit: int = MAX_SHOWN) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
+def printable(text: str) -> str:
+    """`text` with control characters escaped: a key or path from the file must not drive the terminal."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def shown(value: Any) -> str:
     """A value as it appears in a message: repr, cut to MAX_SHOWN characters."""
     return clip(repr(value))
@@ -72,7 +77,7 @@ class YamlDocument:
 
 
 def key_path(parts: list[Any]) -> str:
-    return clip(".".join(clip(str(p), 64) for p in parts)) or "(top level)"
+    return clip(".".join(clip(printable(str(p)), 64) for p in parts)) or "(top level)"
 
 
 def _kind(value: Any) -> str:
