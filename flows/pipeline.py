@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import progress
 from flows.stages import accuracy_task, benchmark_task, build_task, export_task, precision_task, validate_task
-from tasks import gates, notify, promote, tracking, triton
+from tasks import decide, gates, notify, promote, tracking, triton
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.spec import Candidate, PipelineSpec, load
@@ -140,6 +140,7 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
         outcomes = [build_candidate(spec, c, store, memo, force) for c in candidates]
         champions = {t: tracking.champion(spec, t) for t in {c.target for c in candidates}}
         outcomes = [_judge_and_track(spec, o, champions[o.candidate.target], parent_run_id) for o in outcomes]
+        outcomes = decide.decide(spec, outcomes, champions)
         try:
             outcomes = promote_task(spec, outcomes)
         except Exception as e:  # noqa: BLE001 - promotion rolled back: its candidates failed, the alias did not move

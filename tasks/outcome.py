@@ -20,6 +20,14 @@ class GateResult:
     reasons: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What the decision rules concluded for one candidate: whether it takes the alias now, and why."""
+
+    reason: str
+    take_alias: bool = False
+
+
 @dataclass
 class CandidateOutcome:
     candidate: Candidate
@@ -32,6 +40,7 @@ class CandidateOutcome:
     run_id: str | None = None
     model_name: str | None = None
     model_version: str | None = None
+    decision: Decision | None = None
 
     @property
     def gate_reasons(self) -> list[str]:
@@ -62,4 +71,5 @@ class CandidateOutcome:
             "mlflow_run_id": self.run_id,
             "registered_model": self.model_name,
             "model_version": self.model_version,
+            "decision": {"reason": self.decision.reason} if self.decision else None,
         }

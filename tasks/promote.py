@@ -1,8 +1,7 @@
-"""Register passing candidates and move the promotion alias to the best one, all or nothing.
+"""Register passing candidates and move the promotion alias to the chosen one, all or nothing.
 
-One registered model per (pipeline, target); a version per passing candidate. The best passing
-candidate by `performance.objective` gets `promotion.alias` (whether it beats the champion is the
-gate's job). Every registry change (new model or version, refreshed model description and tags,
+One registered model per (pipeline, target); a version per passing candidate. The candidate whose
+decision (tasks/decide.py) says it takes the alias gets `promotion.alias`. Every registry change (new model or version, refreshed model description and tags,
 alias, notification record) is undone if a later step fails, so a deploy system that reads
 the alias never sees a promotion whose notification record was not written. The events are sent
 afterwards by notify.py, once the registry is consistent.
@@ -52,7 +51,7 @@ class _Undo:
 
 
 def promote(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
-    """Register passing candidates and give the best of each target the alias.
+    """Register passing candidates and give the alias to the one each target's decision chose.
 
     Candidates must already be logged (`tracking.log_candidate` sets `run_id`): a registry version
     points at its run's `engine` artifacts. Sets status, model_name and model_version on the
@@ -81,16 +80,6 @@ def promote(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[Candid
     return outcomes
 
 
-def best_candidate(spec: PipelineSpec, passing: list[CandidateOutcome]) -> CandidateOutcome:
-    """Highest gate-point throughput, or lowest p99 latency, per `performance.objective`."""
-    def score(outcome: CandidateOutcome) -> float:
-        metrics = stage_metrics(outcome.stages)
-        if spec.performance.objective == "throughput":
-            return -metrics.get("throughput", float("-inf"))
-        return metrics.get("p99_ms", float("inf"))
-    return min(sorted(passing, key=lambda o: o.candidate.name), key=score)
-
-
 def _promote_target(spec: PipelineSpec, target: TargetSpec, passing: list[CandidateOutcome],
                     undo: _Undo) -> list[_Decision]:
     name = tracking.registered_model_name(spec.name, target.name)
@@ -103,9 +92,9 @@ def _promote_target(spec: PipelineSpec, target: TargetSpec, passing: list[Candid
         undo.add(f"restore the description and tags of {name}",
                  lambda: tracking.restore_registered_model(before, list(tags)))
     versions = {o.candidate.name: _register(name, o, undo) for o in passing}
-    best = best_candidate(spec, passing)
+    best = next((o for o in passing if o.decision and o.decision.take_alias), None)
     previous = tracking.alias_version(name, alias)
-    promoted = previous != versions[best.candidate.name]
+    promoted = best is not None and previous != versions[best.candidate.name]
     if promoted:
         tracking.set_alias(name, alias, versions[best.candidate.name])
         undo.add(f"restore alias {alias} of {name} to version {previous}",

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from tasks import notify, tracking
 from tasks.metrics import stage_metrics
 from tasks.outcome import CandidateOutcome
+from tasks.decide import decide
 from tasks.promote import promote
 from tasks.spec import PipelineSpec, WebhookSpec
 from tasks.store import ArtifactStore
@@ -33,7 +34,7 @@ def _promoted(spec: PipelineSpec, outcome: CandidateOutcome) -> list[dict]:
     """What the pipeline flow does after the gates: log, promote, notify; returns the deliveries."""
     with tracking.pipeline_run(spec, "run", {}) as parent_id:
         outcome.run_id = tracking.log_candidate(parent_id, spec, outcome)
-    promote(spec, [outcome])
+    promote(spec, decide(spec, [outcome], {}))
     assert outcome.status == "promoted"
     return notify.notify_promotions(spec, [outcome], backoff_s=0.01)
 

@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from tasks import notify, tracking
 from tasks.outcome import CandidateOutcome
+from tasks.decide import decide
 from tasks.promote import PromotionError, promote
 from tasks.spec import PipelineSpec
 from tasks.store import ArtifactStore
@@ -25,7 +26,7 @@ def _logged(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[Candid
     with tracking.pipeline_run(spec, "run", {}) as parent_id:
         for outcome in outcomes:
             outcome.run_id = tracking.log_candidate(parent_id, spec, outcome)
-    return outcomes
+    return decide(spec, outcomes, {})
 
 
 def _versions(name: str) -> list[str]:
