@@ -8,6 +8,8 @@ problems stop which command.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -243,6 +245,16 @@ def test_targets_built_in_code_are_checked_like_the_file() -> None:
         OnnxRuntimeTarget(name="cpu", backend="onnxruntime", workspace="1GiB")
     with pytest.raises(ValidationError, match="needs 'arch'"):
         InductorTarget(name="gpu", backend="inductor")
+
+
+def test_checking_a_file_imports_no_runtime() -> None:
+    """The schema and the backend table load without torch, onnxruntime, TensorRT, MLflow or Prefect, so
+    `smelter validate` answers quickly on any machine."""
+    heavy = ("torch", "onnxruntime", "tensorrt", "transformers", "mlflow", "prefect")
+    code = f"import sys, tasks.spec, tasks.backends.table; print(sorted(set({heavy!r}) & set(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    assert loaded == "[]"
 
 
 def test_parse_bytes() -> None:
