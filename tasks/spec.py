@@ -51,10 +51,8 @@ MAX_RETRIES = 10
 MAX_TARGETS = 64
 MAX_PROFILES = 16
 MAX_PATTERNS = 10_000
-NAME = r"^[a-z0-9][a-z0-9_-]*$"
-
-
 MAX_PROBLEM_CHARS = 1000
+NAME = r"^[a-z0-9][a-z0-9_-]*$"
 
 
 class SpecError(Exception):
@@ -644,7 +642,7 @@ def _pydantic_problem(prefix: tuple, error: Any, data: Any) -> Located:
         msg = (f"unknown backend {shown(error['input'].get('backend'))}; " if kind == "union_tag_invalid" else
                "required key is missing; ") + f"expected one of {', '.join(BACKENDS)}"
     elif kind == "extra_forbidden":
-        msg = _foreign_setting(str(parts[-1]), backend) if backend else "unknown key"
+        msg = _foreign_setting(str(parts[-1]), backend) if backend and parts else "unknown key"
     elif kind == "missing":
         msg = "required key is missing"
     elif "input" in error and kind not in ("value_error", "assertion_error"):

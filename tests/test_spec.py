@@ -247,6 +247,13 @@ def test_targets_built_in_code_are_checked_like_the_file() -> None:
         InductorTarget(name="gpu", backend="inductor")
 
 
+def test_the_shipped_pipelines_files_are_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    assert main(["validate", "-f", str(repo / "pipelines.yaml"), "--pipeline", "minilm"]) == 0
+    assert main(["validate", "-f", str(repo / "docker" / "pipelines.gpu.yaml"), "--allow-outside-paths"]) == 0
+    assert capsys.readouterr().out.count(": ok (") == 2
+
+
 def test_checking_a_file_imports_no_runtime() -> None:
     """The schema and the backend table load without torch, onnxruntime, TensorRT, MLflow or Prefect, so
     `smelter validate` answers quickly on any machine."""
