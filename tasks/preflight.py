@@ -64,10 +64,13 @@ def _data_problem(spec: PipelineSpec, section: str, written: str, samples: int,
     try:
         path = spec.resolve(written)
         root = spec.package_dir(written) if written.startswith("package://") else spec.base_dir
+        real, real_root = path.resolve(), root.resolve()
     except FileNotFoundError as e:
         return str(e)
-    if not allow_outside_paths and not path.resolve().is_relative_to(root.resolve()):
-        return (f"{shown(written)} resolves to {clip(str(path.resolve()))}, outside {clip(str(root.resolve()))}; "
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
+        return f"cannot resolve {shown(written)}: {clip(str(e))}"
+    if not allow_outside_paths and not real.is_relative_to(real_root):
+        return (f"{shown(written)} resolves to {clip(str(real))}, outside {clip(str(real_root))}; "
                 "keep data files beside the pipelines file, or pass --allow-outside-paths")
     return text_file_problem(path, samples, f"{section}.samples")
 

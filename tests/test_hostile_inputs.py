@@ -312,6 +312,8 @@ FILE_CASES = {
     "data-symlink-outside": Case(enc("data: data/eval.txt", "data: data/escape.txt"), 10,
                                  "pipelines.enc.accuracy.data", "outside"),
     "data-home": Case(enc("data: data/eval.txt", "data: ~/eval.txt"), 10, "pipelines.enc.accuracy.data", "outside"),
+    "data-symlink-loop": Case(enc("data: data/eval.txt", "data: data/loop.txt"), 10, "pipelines.enc.accuracy.data",
+                              "cannot resolve 'data/loop.txt'"),
     "data-empty": Case(enc("data: data/eval.txt", "data: data/empty.txt"), 10, "pipelines.enc.accuracy.data",
                        "has no text (empty, or blank lines only)"),
     "data-blank-lines": Case(enc("data: data/eval.txt", "data: data/blank.txt"), 10, "pipelines.enc.accuracy.data",
@@ -510,6 +512,7 @@ def arena(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (data / "short.txt").write_text("one\ntwo\n")
     (data / "binary.bin").write_bytes(bytes(range(256)) * 8)
     (data / "escape.txt").symlink_to(outside)
+    (data / "loop.txt").symlink_to(data / "loop.txt")
     os.mkfifo(data / "fifo")
     os.mkfifo(root / "pipelines.fifo")
     (root / "pipelines.dir").mkdir()
