@@ -41,7 +41,7 @@ pipelines:
       - {name: cpu, backend: onnxruntime}
     calibration: {data: data/calibration.txt, samples: 16}
     accuracy: {data: data/eval.txt, samples: 8, seq_len: 16, gates: {cosine_mean: {min: 0.99}}}
-    benchmark: {batch_sizes: [1, 4], seq_lens: [16], warmup: 1, repeats: 3}
+    benchmark: {batch_sizes: [1, 4], seq_lens: [16], warmup: 1}
     performance: {gates: {p99_ms: {max: 100}}}
 """
 DEC = """\
@@ -54,7 +54,7 @@ pipelines:
     targets:
       - {name: cpu, backend: onnxruntime}
     accuracy: {data: data/eval.txt, samples: 8, seq_len: 16, gates: {top1_agreement: {min: 0.9}}}
-    benchmark: {batch_sizes: [1, 4], seq_lens: [16], past_len: 16, warmup: 1, repeats: 3}
+    benchmark: {batch_sizes: [1, 4], seq_lens: [16], past_len: 16, warmup: 1}
 """
 MODEL_CONFIGS = {
     "bert": {"model_type": "bert", "max_position_embeddings": 128},
@@ -102,7 +102,7 @@ class Case:
 
 FILE_CASES = {
     # --- reading the file: encoding, size, kind of file
-    "not-utf8-value": Case(ENC.encode().replace(b"repeats: 3", b"repeats: \xff3"), 11, "pipelines.enc.benchmark",
+    "not-utf8-value": Case(ENC.encode().replace(b"warmup: 1", b"warmup: \xff1"), 11, "pipelines.enc.benchmark",
                            "not UTF-8: byte 0xff"),
     "not-utf8-comment": Case(b"# caf\xe9\n" + ENC.encode(), 1, "(top level)", "not UTF-8: byte 0xe9 at column 6"),
     "latin1-file": Case(enc("task: feature-extraction", "task: feature-extraction  # café").encode("latin-1"),
@@ -140,7 +140,7 @@ FILE_CASES = {
                                "YAML syntax error: found unexpected end of stream"),
     "python-tag": Case(enc("path: models/bert", "path: !!python/object/apply:os.system [ls]"), 3,
                        "pipelines.enc.model.path", "could not determine a constructor for the tag"),
-    "custom-tag": Case(enc("repeats: 3", "repeats: !many 3"), 11, "pipelines.enc.benchmark.repeats",
+    "custom-tag": Case(enc("warmup: 1", "warmup: !many 3"), 11, "pipelines.enc.benchmark.warmup",
                        "could not determine a constructor for the tag '!many'"),
     "undefined-alias": Case(enc("precisions: [fp32, int8]", "precisions: *all"), 6, "pipelines.enc.precisions",
                             "found undefined alias 'all'"),
@@ -169,14 +169,14 @@ FILE_CASES = {
                                 "pipelines.enc.\\x1b[2J\\x1b[31m", "unknown key", absent="\x1b"),
     "many-problems": Case(enc("    precisions:", "".join(f"    unknown{i}: 1\n" for i in range(500)) + "    precisions:"),
                           6, "pipelines.enc.unknown0", "... and 480 more"),
-    "huge-value": Case(enc("repeats: 3", f"repeats: {'9' * 20000}x"), 11, "pipelines.enc.benchmark.repeats",
+    "huge-value": Case(enc("warmup: 1", f"warmup: {'9' * 20000}x"), 11, "pipelines.enc.benchmark.warmup",
                        "(20003 characters)"),
     # --- strict types: no bool or float where an integer is meant, no strings for numbers
     "bool-as-int": Case(enc("samples: 8", "samples: true"), 10, "pipelines.enc.accuracy.samples",
                         "Input should be a valid integer (got True)"),
-    "float-as-int": Case(enc("repeats: 3", "repeats: 3.0"), 11, "pipelines.enc.benchmark.repeats",
+    "float-as-int": Case(enc("warmup: 1", "warmup: 3.0"), 11, "pipelines.enc.benchmark.warmup",
                          "Input should be a valid integer"),
-    "exponent-as-int": Case(enc("repeats: 3", "repeats: 1e23"), 11, "pipelines.enc.benchmark.repeats",
+    "exponent-as-int": Case(enc("warmup: 1", "warmup: 1e23"), 11, "pipelines.enc.benchmark.warmup",
                             "Input should be a valid integer (got 1e+23)"),
     "huge-float-batch": Case(enc("batch: [1, 2, 4]", "batch: [1, 8, 1e12]"), 5, "pipelines.enc.profiles.0.batch.2",
                              "Input should be a valid integer"),
@@ -232,9 +232,9 @@ FILE_CASES = {
                                    "less than or equal to 100000"),
     "warmup-bound": Case(enc("warmup: 1", "warmup: 1000000"), 11, "pipelines.enc.benchmark.warmup",
                          "less than or equal to 10000"),
-    "repeats-bound": Case(enc("repeats: 3", "repeats: 10000000"), 11, "pipelines.enc.benchmark.repeats",
+    "repeats-bound": Case(enc("warmup: 1", "warmup: 1, repeats: 10000000"), 11, "pipelines.enc.benchmark.repeats",
                           "less than or equal to 100000"),
-    "repeats-too-few": Case(enc("repeats: 3", "repeats: 1"), 11, "pipelines.enc.benchmark.repeats",
+    "repeats-too-few": Case(enc("warmup: 1", "warmup: 1, repeats: 1"), 11, "pipelines.enc.benchmark.repeats",
                             "greater than or equal to 3"),
     "negative-warmup": Case(enc("warmup: 1", "warmup: -1"), 11, "pipelines.enc.benchmark.warmup",
                             "greater than or equal to 0"),
@@ -475,7 +475,7 @@ CLI_CASES = {
                                 argv=("run", "-f", "FILE", "--artifacts", "FILE")),
     "run-missing-file": Case(None, None, None, "cannot read: No such file or directory",
                              argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS")),
-    "run-bad-file": Case(enc("repeats: 3", "repeats: 1e23"), 11, "pipelines.enc.benchmark.repeats",
+    "run-bad-file": Case(enc("warmup: 1", "warmup: 1e23"), 11, "pipelines.enc.benchmark.warmup",
                          "Input should be a valid integer", argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS")),
     "plan-bad-file": Case(enc("min: 0.99", "min: .nan"), 10, "pipelines.enc.accuracy.gates.cosine_mean.min",
                           "finite number", argv=("plan", "-f", "FILE", "--artifacts", "ARTIFACTS")),

@@ -24,7 +24,7 @@ from tasks.spec import (TARGET_CLASSES, InductorTarget, OnnxRuntimeTarget, SpecE
 
 VALID = """\
 defaults:
-  benchmark: {batch_sizes: [1, 4], seq_lens: [16], warmup: 1, repeats: 3}
+  benchmark: {batch_sizes: [1, 4], seq_lens: [16], warmup: 1}
 pipelines:
   enc:
     model: {path: model, task: feature-extraction}
@@ -152,7 +152,7 @@ def test_a_backend_module_that_cannot_be_imported_fails_only_its_own_targets(
                                "torch", ("fp32", "bf16"))
     monkeypatch.setitem(table.BACKENDS, "inductor", broken)
     with pytest.raises(BackendUnavailable, match="backend inductor is not available here: cannot import "
-                                                 "tasks.backends.not_written_yet"):
+                                                 "tasks.backends.not_written_yet.InductorBackend"):
         get_backend("inductor")
     cpu_pt = "      - {name: cpu-pt, backend: inductor, device: cpu}\n"
     text = VALID.replace("      - {name: cpu, backend: onnxruntime}\n", f"      - {{name: cpu, backend: onnxruntime}}\n{cpu_pt}")
@@ -228,9 +228,9 @@ def test_webhook_secret_must_be_set(workdir: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_every_problem_is_reported_at_once(workdir: Path) -> None:
-    text = VALID.replace("repeats: 3", "repeats: many").replace("[fp32, int8]", "[fp32, int4]")
+    text = VALID.replace("warmup: 1", "warmup: many").replace("[fp32, int8]", "[fp32, int4]")
     message = problems(write(workdir, text))
-    assert "benchmark.repeats" in message and "precisions.1" in message
+    assert "benchmark.warmup" in message and "precisions.1" in message
 
 
 def test_select_filters_candidates(workdir: Path) -> None:

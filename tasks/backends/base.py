@@ -99,7 +99,8 @@ def get_backend(name: str) -> Backend:
     if info is None:
         raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
     try:
-        module = importlib.import_module(info.module)
-    except ImportError as e:
-        raise BackendUnavailable(f"backend {name} is not available here: cannot import {info.module} ({e})") from e
-    return getattr(module, info.class_name)()
+        backend_class = getattr(importlib.import_module(info.module), info.class_name)
+    except (ImportError, AttributeError) as e:
+        raise BackendUnavailable(f"backend {name} is not available here: cannot import {info.module}."
+                                 f"{info.class_name} ({e})") from e
+    return backend_class()
