@@ -40,6 +40,9 @@ test-fast: setup
 benchmark: setup
 	$(BIN)/smelter run --pipeline minilm
 	$(BIN)/python benchmarks/minilm_speedup.py
+	$(BIN)/python benchmarks/benchmark_cost.py
+	$(BIN)/python benchmarks/decision_sensitivity.py
+	$(BIN)/python benchmarks/decision_stability.py
 	$(BIN)/python benchmarks/warm_rerun.py
 	$(BIN)/python benchmarks/int8_cpu_formats.py
 

@@ -43,6 +43,14 @@ def _parser() -> argparse.ArgumentParser:
     notify = with_file(sub.add_parser("notify", help="webhook deliveries"))
     notify.add_argument("--retry", action="store_true", required=True, help="send every pending event again")
     with_file(sub.add_parser("deploy", help="serve the nightly deployments on their schedules"), select=False)
+    compare = with_file(sub.add_parser("compare", help="time two registered engine versions side by side here"),
+                        select=False)
+    compare.add_argument("registered_model", help="e.g. minilm-cpu (<pipeline>-<target>)")
+    compare.add_argument("version_a", help="the baseline version")
+    compare.add_argument("version_b", help="the version compared with it")
+    compare.add_argument("--batch", type=int, help="batch size (default: the pipeline's gate point)")
+    compare.add_argument("--seq", type=int, help="sequence length (default: the pipeline's gate point)")
+    compare.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return parser
 
 
@@ -91,6 +99,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _champions(specs: Any) -> dict[str, dict[str, Any]]:
+    """Each (pipeline, target)'s champion from the registry; none when the registry cannot be read."""
+    from tasks import tracking
+
+    try:
+        return {s.name: {t.name: tracking.champion(s, t.name) for t in s.targets} for s in specs.pipelines.values()}
+    except Exception as e:  # noqa: BLE001 - plan still shows what it can; benchmark keys assume no champion
+        print(f"warning: cannot read champions from the registry ({type(e).__name__}: {e}); "
+              "benchmark rows assume none", file=sys.stderr)
+        return {}
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     specs = _load(args, check_env=False)
     from flows.plan import plan_rows
@@ -98,7 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tasks.store import ArtifactStore
 
     selected = PipelinesFile(path=specs.path, pipelines={s.name: s for s in _selected(specs, args)})
-    for row in plan_rows(selected, ArtifactStore(args.artifacts)):
+    for row in plan_rows(selected, ArtifactStore(args.artifacts), _champions(selected)):
         note = f"  ({row['note']})" if row["note"] else ""
         print(f"{row['node']:<34} {row['stage']:<10} {row['state']:<7} {row['key']}{note}")
     for spec in selected.pipelines.values():
@@ -128,9 +148,46 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(json.dumps({"file": args.file, "ok": not failed, "candidates": summaries}, indent=2, default=str))
     else:
         for s in summaries:
-            version = f" v{s['model_version']}" if s.get("model_version") else ""
-            print(f"{s['candidate']:<32} {s['status']:<9}{version}")
+            print(_table_row(s))
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _table_row(summary: dict[str, Any]) -> str:
+    """candidate, status, version (with the alias when it holds it) and the one-line reason."""
+    decision = summary.get("decision") or {}
+    version = f"v{summary['model_version']}" if summary.get("model_version") else "-"
+    if decision.get("holds_alias"):
+        version += " @alias"
+    reason = decision.get("reason") or summary.get("error") or "; ".join(
+        r for g in summary.get("gates", []) for r in g["reasons"])
+    return f"{summary['candidate']:<32} {summary['status']:<9} {version:<10} {reason}"
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tasks.compare import compare_versions, find_registered_model
+    from tasks.store import ArtifactStore
+
+    from tasks.spec import MAX_BATCH, MAX_SEQ
+
+    owner = find_registered_model(_load(args, check_env=False), args.registered_model)
+    for flag, bound in (("batch", MAX_BATCH), ("seq", MAX_SEQ)):
+        value = getattr(args, flag)
+        if value is not None and not 1 <= value <= bound:
+            print(f"error: --{flag} must be an integer from 1 to {bound}, got {value}", file=sys.stderr)
+            return EXIT_INVALID
+    with contextlib.redirect_stdout(sys.stderr):
+        result = compare_versions(owner, args.version_a, args.version_b, ArtifactStore(args.artifacts),
+                                  batch=args.batch, seq=args.seq)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return EXIT_OK
+    low, high = result["ci"]
+    verdict = "conclusive" if result["conclusive"] else "inconclusive"
+    print(f"{result['registered_model']} v{result['b']} vs v{result['a']} at batch {result['batch']} x seq "
+          f"{result['seq']}: v{result['b']} is {result['ratio']:.3g}x as fast [{low:.3g}, {high:.3g}] "
+          f"(95% interval, {result['rounds']} rounds in {result['seconds']} s, {verdict}; "
+          f"other processes used {result['host']['foreign_cpu_share']:.0%} of the CPU)")
+    return EXIT_OK
 
 
 def cmd_notify(args: argparse.Namespace) -> int:
@@ -149,7 +206,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "notify": cmd_notify, "deploy": cmd_deploy}
+COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "notify": cmd_notify, "deploy": cmd_deploy,
+            "compare": cmd_compare}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse has printed the usage and why
         return e.code if isinstance(e.code, int) else EXIT_INVALID
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect's temporary server gets 20 s to start by default; a busy 2-core machine needs longer.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     try:
         return COMMANDS[args.command](args)
     except SpecError as e:

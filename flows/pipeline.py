@@ -6,6 +6,7 @@ others carry on; nothing here decides what a stage computes.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import traceback
 from datetime import datetime, timezone
@@ -15,12 +16,14 @@ from typing import Any
 from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
 from flows import progress
 from flows.stages import accuracy_task, benchmark_task, build_task, export_task, precision_task, validate_task
-from tasks import decide, gates, notify, promote, tracking, triton
+from tasks import benchmark, decide, gates, notify, promote, tracking, triton
+from tasks.champion import champion_build
 from tasks.metrics import key_metrics, stage_metrics
-from tasks.outcome import CandidateOutcome
+from tasks.outcome import CandidateOutcome, Champion
 from tasks.spec import Candidate, PipelineSpec, load
 from tasks.store import ArtifactStore, StageResult
 
@@ -30,6 +33,12 @@ class _StageFailed(Exception):
         self.stage = stage
         self.error = error
         super().__init__(f"{stage}: {error}")
+
+
+def _unwrap(value: Any) -> Any:
+    """A stage task that found its output cached returns Prefect's `Cached` state (so the UI shows it); the flow
+    wants the StageResult inside."""
+    return value.result() if isinstance(value, State) else value
 
 
 class _Memo:
@@ -42,7 +51,7 @@ class _Memo:
         key = (stage, node)
         if key not in self._done:
             try:
-                self._done[key] = call()
+                self._done[key] = _unwrap(call())
             except Exception as e:  # noqa: BLE001 - any stage error fails its candidates, not the run
                 progress.stage_failed(node, stage, f"{type(e).__name__}: {e}")
                 self._done[key] = _StageFailed(stage, e)
@@ -54,7 +63,7 @@ class _Memo:
 
 def build_candidate(spec: PipelineSpec, candidate: Candidate, store: ArtifactStore, memo: _Memo,
                     force: bool) -> CandidateOutcome:
-    """Run every stage up to the benchmark for one candidate, reusing what siblings already ran."""
+    """Run every stage up to accuracy for one candidate, reusing what siblings already ran."""
     outcome = CandidateOutcome(candidate, status="passed")
     p, t, label = candidate.precision, candidate.target, candidate.name
 
@@ -70,7 +79,6 @@ def build_candidate(spec: PipelineSpec, candidate: Candidate, store: ArtifactSto
         precise = step("precision", f"{spec.name}/{p}", precision_task, exported, p)
         built = step("build", label, build_task, precise, t)
         step("accuracy", label, accuracy_task, built)
-        step("benchmark", label, benchmark_task, built)
     except _StageFailed as failed:
         outcome.status = "failed"
         outcome.failed_stage = failed.stage
@@ -78,21 +86,44 @@ def build_candidate(spec: PipelineSpec, candidate: Candidate, store: ArtifactSto
     return outcome
 
 
+def benchmark_target(spec: PipelineSpec, target: str, outcomes: list[CandidateOutcome], champion: Champion | None,
+                     store: ArtifactStore, force: bool) -> None:
+    """Time every built candidate of one target side by side with the reference and the champion."""
+    built = [o for o in outcomes if o.candidate.target == target and o.status != "failed"]
+    if not built:
+        return
+    node = f"{spec.name}/{target}"
+    fetch = functools.partial(champion_build, spec, champion, store) if champion else None
+    try:
+        result = _unwrap(benchmark_task.with_options(task_run_name=f"{node}/benchmark")(
+            node, spec, target, {o.candidate.name: o.stages["build"] for o in built}, store,
+            champion=champion, champion_build=fetch, force=force))
+    except Exception as e:  # noqa: BLE001 - the target's candidates fail; other targets go on
+        progress.stage_failed(node, "benchmark", f"{type(e).__name__}: {e}")
+        for outcome in built:
+            outcome.status, outcome.failed_stage = "failed", "benchmark"
+            outcome.error = f"benchmark failed: {type(e).__name__}: {e}"
+        return
+    for outcome in built:
+        outcome.stages["benchmark"] = benchmark.for_candidate(result, outcome.candidate.name, champion)
+
+
 @task(name="gate", cache_policy=NO_CACHE, persist_result=False)
-def gate_task(spec: PipelineSpec, outcome: CandidateOutcome, champion: dict[str, Any] | None) -> CandidateOutcome:
+def gate_task(spec: PipelineSpec, outcome: CandidateOutcome, previous: dict[str, Any] | None) -> CandidateOutcome:
     measured = stage_metrics(outcome.stages)
     outcome.metrics = key_metrics(measured)
-    outcome.gates = gates.evaluate(spec, measured, outcome.stages["accuracy"].outputs.get("validity"), champion)
+    outcome.gates = gates.evaluate(spec, measured, outcome.stages["accuracy"].outputs.get("validity"), previous)
     outcome.status = "passed" if outcome.passed_gates else "rejected"
     return outcome
 
 
-def _judge_and_track(spec: PipelineSpec, outcome: CandidateOutcome, champion: dict[str, Any] | None,
-                     parent_run_id: str) -> CandidateOutcome:
+def _judge_and_track(spec: PipelineSpec, outcome: CandidateOutcome, parent_run_id: str) -> CandidateOutcome:
     """Gate (unless a stage failed), then log; tasks hand back new objects, so keep what they return."""
     name = outcome.candidate.name
     if outcome.status != "failed":
-        outcome = gate_task.with_options(task_run_name=f"{name}/gate")(spec, outcome, champion)
+        previous = tracking.previous_version(spec, outcome.candidate.target, outcome.candidate.precision,
+                                             outcome.cache_key)
+        outcome = gate_task.with_options(task_run_name=f"{name}/gate")(spec, outcome, previous)
     try:
         outcome.run_id = track_task.with_options(task_run_name=f"{name}/track")(parent_run_id, spec, outcome)
     except Exception as e:  # noqa: BLE001 - an unrecorded candidate may not be promoted; the others go on
@@ -137,9 +168,12 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
     memo = _Memo()
     run_name = f"{pipeline}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     with tracking.pipeline_run(spec, run_name, params={"file": file, "force": force}) as parent_run_id:
+        targets = list(dict.fromkeys(c.target for c in candidates))
+        champions = {t: tracking.champion(spec, t) for t in targets}
         outcomes = [build_candidate(spec, c, store, memo, force) for c in candidates]
-        champions = {t: tracking.champion(spec, t) for t in {c.target for c in candidates}}
-        outcomes = [_judge_and_track(spec, o, champions[o.candidate.target], parent_run_id) for o in outcomes]
+        for target in targets:
+            benchmark_target(spec, target, outcomes, champions[target], store, force)
+        outcomes = [_judge_and_track(spec, o, parent_run_id) for o in outcomes]
         outcomes = decide.decide(spec, outcomes, champions)
         try:
             outcomes = promote_task(spec, outcomes)
@@ -151,9 +185,8 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
             _after_promotion(spec, outcomes)
         for outcome in outcomes:
             if outcome.run_id:
-                tracking.finish_candidate(outcome.run_id, outcome)
-            progress.candidate_done(outcome.candidate.name, outcome.status,
-                                    [outcome.error] if outcome.error else outcome.gate_reasons)
+                tracking.finish_candidate(outcome.run_id, spec, outcome)
+            progress.candidate_done(outcome.candidate.name, outcome.status, [outcome.reason] if outcome.reason else [])
     _publish(pipeline, outcomes)
     return [o.summary() for o in outcomes]
 
@@ -164,7 +197,7 @@ def _publish(pipeline: str, outcomes: list[CandidateOutcome]) -> None:
              "throughput": round(o.metrics.get("throughput", float("nan")), 2),
              "p99_ms": round(o.metrics.get("p99_ms", float("nan")), 3),
              "speedup_vs_reference": round(o.metrics.get("speedup_vs_reference", float("nan")), 3),
-             "reasons": "; ".join([o.error] if o.error else o.gate_reasons), "mlflow_run_id": o.run_id or ""}
+             "reason": o.reason, "mlflow_run_id": o.run_id or ""}
             for o in outcomes]
     create_table_artifact(rows, key=f"{pipeline.replace('_', '-')}-candidates",
                           description=f"Candidates of pipeline {pipeline}: status, key metrics, gate reasons")

@@ -1,7 +1,8 @@
 """`smelter plan`: the graph a run would execute, each stage marked cached or to-run, without running it.
 
 A key is known only when its upstream is built (later keys hash upstream outputs), so everything
-below a stage that must run is itself to-run.
+below a stage that must run is itself to-run. A target's benchmark measures all its candidates
+and the champion together, so its key also depends on the registry's champion.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from tasks import accuracy, benchmark, build, export, precision, validate
 from tasks.backends.base import BackendUnavailable, get_backend
+from tasks.outcome import Champion
 from tasks.spec import PipelineSpec, PipelinesFile
 from tasks.store import ArtifactStore, StageResult
 
@@ -28,7 +30,11 @@ def _probe(store: ArtifactStore, spec: PipelineSpec, stage: str, upstream: Stage
     return store.lookup(spec.name, stage, key), key
 
 
-def pipeline_rows(spec: PipelineSpec, store: ArtifactStore) -> Iterator[dict[str, Any]]:
+def pipeline_rows(spec: PipelineSpec, store: ArtifactStore,
+                  champions: dict[str, Champion | None] | None = None) -> Iterator[dict[str, Any]]:
+    """Every stage of one pipeline; `champions` (target -> champion) decide the benchmark keys."""
+    champions = champions or {}
+    builds: dict[str, dict[str, StageResult | None]] = {t.name: {} for t in spec.targets}
     key = export.export_key(spec)
     exported = store.lookup(spec.name, "export", key)
     yield _row(spec.name, "export", exported, key)
@@ -47,10 +53,23 @@ def pipeline_rows(spec: PipelineSpec, store: ArtifactStore) -> Iterator[dict[str
             built, key = (None, None) if blocked else _probe(
                 store, spec, "build", precise, lambda up: build.build_key(up, target, backend, list(spec.profiles)))
             yield _row(label, "build", built, key, blocked)
-            for stage, key_of in (("accuracy", accuracy.accuracy_key), ("benchmark", benchmark.benchmark_key)):
-                found, key = _probe(store, spec, stage, built, lambda up: key_of(up, spec))
-                yield _row(label, stage, found, key, blocked)
+            found, key = _probe(store, spec, "accuracy", built, lambda up: accuracy.accuracy_key(up, spec))
+            yield _row(label, "accuracy", found, key, blocked)
+            if not blocked:
+                builds[target.name][label] = built
+    for target, built in builds.items():
+        node = f"{spec.name}/{target}"
+        if not built:
+            continue
+        if any(b is None for b in built.values()):
+            yield _row(node, "benchmark", None, None)
+            continue
+        key = benchmark.benchmark_key(spec, target, built, champions.get(target))
+        yield _row(node, "benchmark", store.lookup(spec.name, "benchmark", key), key)
 
 
-def plan_rows(specs: PipelinesFile, store: ArtifactStore) -> list[dict[str, Any]]:
-    return [row for spec in specs.pipelines.values() for row in pipeline_rows(spec, store)]
+def plan_rows(specs: PipelinesFile, store: ArtifactStore,
+              champions: dict[str, dict[str, Champion | None]] | None = None) -> list[dict[str, Any]]:
+    """The rows of every pipeline; `champions` maps pipeline -> target -> champion (none known: empty)."""
+    champions = champions or {}
+    return [row for spec in specs.pipelines.values() for row in pipeline_rows(spec, store, champions.get(spec.name))]

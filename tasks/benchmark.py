@@ -1,27 +1,38 @@
-"""Latency and throughput of an engine next to the PyTorch eager FP32 reference, in one run.
+"""Every engine of one target timed side by side with the PyTorch reference and the champion.
 
-The reference is measured in the same process, on the same feeds and thread count, in blocks
-that alternate with the engine's, so a noisy neighbour slows both alike and the speedup is a
-ratio of two numbers taken side by side. Raw samples are kept; percentiles are derived from them.
+One measurement per (pipeline, target): its candidates' engines, eager PyTorch FP32 and, when it is
+not one of them, the engine holding the promotion alias are interleaved in rounds (tasks/measure.py)
+on the same feeds, threads and settings. Every ratio a gate or a decision reads (speedup over the
+reference, speed against the champion) is then a paired comparison taken in the same seconds, with
+its 95% interval (tasks/stats.py), and every percentile is derived from the raw samples kept.
+
+A measurement taken while other processes used the CPU (tasks/hostload.py) is still published when
+nothing was, but never replaces one already published for the same key, so a busy night cannot
+overwrite a clean measurement that later decisions read.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from tasks.backends.base import Runner
+from tasks import stats
+from tasks.backends.base import BackendUnavailable, Runner
 from tasks.build import open_engine
+from tasks.hostload import LoadWatch
 from tasks.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read_texts
+from tasks.measure import Contender, Rounds, measure_rounds
 from tasks.models import load_reference, load_tokenizer
+from tasks.outcome import Champion
 from tasks.spec import PipelineSpec
 from tasks.store import ArtifactStore, StageResult, file_digest, host_facts, stage_key, tool_versions
 
@@ -31,19 +42,18 @@ if TYPE_CHECKING:
 SAMPLES = "samples.csv"
 PLOT = "latency.png"
 REFERENCE = "pytorch-fp32"
-BLOCKS = 5
-SPEEDUP_BASIS = "p50"
 TOOLS = ("torch", "transformers", "numpy")
+VERSION = 2  # what the stage computes; part of its key
+GPU_BACKENDS = ("tensorrt",)
+
+OpenRunner = Callable[..., Runner]
 
 
 @dataclass
 class LatencySamples:
     """Raw per-call latencies of one engine at one shape; every statistic is derived from them."""
 
-    samples_ms: list[float] = field(default_factory=list)
-
-    def add(self, samples_ms: list[float]) -> None:
-        self.samples_ms.extend(samples_ms)
+    samples_ms: list[float]
 
     def percentile(self, q: float) -> float:
         return float(np.percentile(self.samples_ms, q))
@@ -59,135 +69,257 @@ class LatencySamples:
                 "mean_ms": self.mean_ms, "throughput": batch / mean_s, "tokens_per_s": tokens_per_call / mean_s}
 
 
-@dataclass
-class Measurement:
-    """One shape point measured for both the engine and the reference."""
-
-    batch: int
-    seq: int
-    past: int
-    engine: LatencySamples
-    reference: LatencySamples
-
-    def row(self, tokens_per_call: int) -> dict[str, Any]:
-        engine = self.engine.summary(self.batch, tokens_per_call)
-        reference = self.reference.summary(self.batch, tokens_per_call)
-        return {"batch": self.batch, "seq": self.seq, **engine,
-                **{f"reference_{name}": value for name, value in reference.items()},
-                "speedup_vs_reference": reference[f"{SPEEDUP_BASIS}_ms"] / engine[f"{SPEEDUP_BASIS}_ms"]}
-
-
 def benchmark_threads(spec: PipelineSpec, target_threads: int | None) -> int:
-    """One thread count for engine and reference: benchmark.threads, else the target's, else all cores."""
+    """One thread count for every engine and the reference: benchmark.threads, else the target's, else all cores."""
     return spec.benchmark.threads or target_threads or os.cpu_count() or 1
 
 
-def benchmark_key(build_result: StageResult, spec: PipelineSpec) -> str:
-    """Hash of the engine, the benchmark settings and the host (timings belong to the machine)."""
-    return stage_key("benchmark", upstream={"build": build_result.key}, config=_benchmark_config(spec, build_result),
-                     data=file_digest(spec.resolve(spec.accuracy.data)), host=host_facts(),
-                     tools=tool_versions(*TOOLS))
-
-
-def _benchmark_config(spec: PipelineSpec, build_result: StageResult) -> dict[str, Any]:
-    target = spec.target(build_result.outputs["target"])
+def _config(spec: PipelineSpec, target_name: str) -> dict[str, Any]:
+    target = spec.target(target_name)
     return {"task": spec.model.task, "benchmark": spec.benchmark.model_dump(mode="json"),
-            "gate_point": spec.gate_point, "threads": benchmark_threads(spec, target.threads),
-            "speedup_basis": SPEEDUP_BASIS}
+            "gate_point": spec.gate_point, "threads": benchmark_threads(spec, getattr(target, "threads", None)),
+            "method": stats.METHOD, "version": VERSION}
 
 
-def run_benchmark(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore,
-                  force: bool = False) -> StageResult:
-    """Every (batch, seq) of spec.benchmark (and decoders' decode step) for the engine and the reference."""
-    key = benchmark_key(build_result, spec)
-    if not force and (hit := store.lookup(spec.name, "benchmark", key)):
-        return hit
-    import torch
+def benchmark_key(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult],
+                  champion: Champion | None) -> str:
+    """Hash of the engines measured together, the champion's engine, the settings and this host.
 
-    config = _benchmark_config(spec, build_result)
-    engine_label = build_result.outputs["backend"]
-    texts = read_texts(spec.resolve(spec.accuracy.data))
-    tokenizer = load_tokenizer(spec)
-    reference = load_reference(spec)
-    device = reference_device(build_result)
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(config["threads"])
-    try:
-        with open_engine(spec, build_result, threads=config["threads"]) as runner, \
-                store.writing(spec.name, "benchmark", key, inputs={"build": build_result.key}, config=config,
-                              tools=tool_versions(*TOOLS)) as w:
-            bench = _Bench(spec, runner, reference, tokenizer, texts, device)
-            prefill = [bench.measure(b, s, _prefill_past(spec)) for b in spec.benchmark.batch_sizes
-                       for s in spec.benchmark.seq_lens]
-            decode = ([bench.measure(b, 1, spec.benchmark.past_len) for b in spec.benchmark.batch_sizes]
-                      if spec.model.is_decoder else [])
-            points = [m.row(m.batch * m.seq) for m in prefill]
-            w.outputs.update({
-                "points": points,
-                "gate_point": next(p for p in points if p["batch"] == spec.gate_point["batch"] and p["seq"] == spec.gate_point["seq"]),
-                "threads": config["threads"], "speedup_basis": SPEEDUP_BASIS,
-                "engine": engine_label, "reference": REFERENCE, "reference_device": device})
-            if spec.model.is_decoder:
-                w.outputs["decode"] = [_decode_row(m) for m in decode]
-            _samples_table(prefill + decode, engine_label).to_csv(w.dir / SAMPLES, index=False)
-            _plot(prefill + decode, engine_label, w.dir / PLOT)
-    finally:
-        torch.set_num_threads(previous_threads)
+    The champion counts only when it is not one of the candidates (an engine with the champion's
+    build key is the champion), so a candidate that becomes champion keeps its measurement.
+    """
+    engines = sorted((name, build.key) for name, build in builds.items())
+    return stage_key("benchmark", target=target_name, engines=engines,
+                     champion=_extra_champion(champion, builds) and champion.build_key,
+                     config=_config(spec, target_name), data=file_digest(spec.resolve(spec.accuracy.data)),
+                     host=host_facts(), tools=tool_versions(*TOOLS))
+
+
+def _extra_champion(champion: Champion | None, builds: dict[str, StageResult]) -> bool:
+    """Whether the champion must be measured as an engine of its own (it is none of the candidates)."""
+    return champion is not None and champion.build_key not in {b.key for b in builds.values()}
+
+
+def run_benchmark(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult], store: ArtifactStore,
+                  champion: Champion | None = None, champion_build: Callable[[], StageResult] | None = None,
+                  force: bool = False, open_runner: OpenRunner = open_engine) -> StageResult:
+    """Time every engine in `builds` (candidate name -> build output) for one target, side by side.
+
+    `champion_build` fetches the champion's engine when it is not among `builds`; when it cannot
+    (gone, corrupt, built for another machine) the measurement records why and goes on without it.
+    `open_runner` opens an engine (a loader, Polygraphy-style); benchmarks pass one that wraps it.
+    """
+    if not builds:
+        raise ValueError(f"pipeline {spec.name}, target {target_name}: no built engine to benchmark")
+    key = benchmark_key(spec, target_name, builds, champion)
+    published = store.lookup(spec.name, "benchmark", key)
+    if published and not force and not published.outputs.get("host", {}).get("contended"):
+        return published
+    config = _config(spec, target_name)
+    with LoadWatch() as load:
+        measured = _measure(spec, target_name, builds, champion, champion_build, config, open_runner)
+    if published and load.contended:
+        return published  # a contended measurement never replaces a published one
+    with store.writing(spec.name, "benchmark", key, config=config, tools=tool_versions(*TOOLS),
+                       inputs={"builds": {name: b.key for name, b in builds.items()},
+                               "champion": champion.build_key if champion else None}) as w:
+        w.outputs.update(measured.outputs | {"host": load.as_dict(), "key": key})
+        measured.samples.to_csv(w.dir / SAMPLES, index=False)
+        _plot(measured.samples, w.dir / PLOT)
     return w.result
 
 
-def reference_device(build_result: StageResult) -> str:
-    """Where eager PyTorch runs: on the GPU beside a GPU engine when it can, so the speedup compares like with like."""
+def for_candidate(result: StageResult, candidate: str, champion: Champion | None = None) -> StageResult:
+    """The target's measurement seen from one candidate: its own points with their ratio to the reference
+    and, when `champion` was measured (as a candidate or as its own engine), to the champion, plus what
+    all share. Every pair of engines was compared in the rounds, so any of them can be the champion."""
+    outputs = dict(result.outputs)
+    mine = outputs.pop("engines", {}).get(candidate)
+    if mine is None:
+        raise KeyError(f"benchmark {result.key} did not measure candidate {candidate}")
+    outputs["champion"] = info = _champion_info(result, champion)
+    label = info["label"] if info else None
+    if label is not None and label != candidate:
+        comparisons = outputs.get("comparisons", [])
+        mine = {key: [row | _vs(comparisons, row, candidate, label, key == "decode") for row in rows]
+                for key, rows in mine.items() if key != "gate_point"}
+        at = result.outputs["engines"][candidate]["gate_point"]
+        mine["gate_point"] = next(p for p in mine["points"] if (p["batch"], p["seq"]) == (at["batch"], at["seq"]))
+    return replace(result, manifest=result.manifest | {"outputs": outputs | mine})
+
+
+def _champion_info(result: StageResult, champion: Champion | None) -> dict[str, Any] | None:
+    """Which contender is the champion: the candidate with its build key, else its own engine (or why it is absent)."""
+    if champion is None:
+        return None
+    same = [name for name, key in result.manifest.get("inputs", {}).get("builds", {}).items()
+            if key == champion.build_key]
+    if same:
+        return {"version": champion.version, "registered_model": champion.registered_model,
+                "build_key": champion.build_key, "label": same[0], "unavailable": None, "permanent": False}
+    return result.outputs.get("champion")
+
+
+@dataclass
+class _Measured:
+    outputs: dict[str, Any]
+    samples: pd.DataFrame
+
+
+def _measure(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult], champion: Champion | None,
+             champion_build: Callable[[], StageResult] | None, config: dict[str, Any],
+             open_runner: OpenRunner) -> _Measured:
     import torch
 
-    return "cuda" if build_result.outputs.get("backend") == "tensorrt" and torch.cuda.is_available() else "cpu"
+    threads = config["threads"]
+    texts = read_texts(spec.resolve(spec.accuracy.data))
+    reference = load_reference(spec)
+    device = reference_device(builds.values())
+    runners: dict[str, Runner] = {}
+    champion_info: dict[str, Any] | None = None
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, build in builds.items():
+            runners[name] = open_runner(spec, build, threads=threads)
+        if _extra_champion(champion, builds):
+            champion_info = {"version": champion.version, "registered_model": champion.registered_model,
+                             "build_key": champion.build_key, "label": champion.label, "unavailable": None,
+                             "permanent": False}
+            try:
+                runners[champion.label] = open_runner(spec, champion_build(), threads=threads)
+            except Exception as e:  # noqa: BLE001 - recorded; the decision reads it
+                champion_info |= {"label": None, "unavailable": f"{type(e).__name__}: {e}",
+                                  "permanent": isinstance(e, BackendUnavailable) or getattr(e, "permanent", False)}
+        bench = _Bench(spec, list(builds), runners, reference, load_tokenizer(spec), texts, device)
+        measured = [(point, bench.measure(point)) for point in _points(spec)]
+    finally:
+        for runner in runners.values():
+            runner.close()
+        torch.set_num_threads(previous_threads)
+    engines = {name: _engine_outputs(spec, name, measured) for name in builds}
+    outputs = {"engines": engines, "champion": champion_info, "reference": REFERENCE, "reference_device": device,
+               "threads": threads, "method": stats.METHOD, "precision": spec.benchmark.precision,
+               "comparisons": [row for point, rounds in measured
+                               for row in _comparison_rows(point, rounds, spec.benchmark.precision)]}
+    return _Measured(outputs, _samples_table(measured))
 
 
-def _prefill_past(spec: PipelineSpec) -> int:
+def _points(spec: PipelineSpec) -> list[dict[str, int]]:
+    """Every prefill (batch, seq) of spec.benchmark, then decoders' decode step (one new token) per batch."""
+    past = prefill_past(spec)
+    points = [{"batch": b, "seq": s, "past": past, "decode": 0} for b in spec.benchmark.batch_sizes
+              for s in spec.benchmark.seq_lens]
+    if spec.model.is_decoder:
+        points += [{"batch": b, "seq": 1, "past": spec.benchmark.past_len, "decode": 1}
+                   for b in spec.benchmark.batch_sizes]
+    return points
+
+
+def _engine_outputs(spec: PipelineSpec, name: str, measured: list[tuple[dict[str, int], Rounds]]) -> dict[str, Any]:
+    """One candidate's rows: prefill points, decode steps, and the gate point the gates read."""
+    points, decode = [], []
+    for point, rounds in measured:
+        row = _row(spec, point, rounds, name)
+        (decode if point["decode"] else points).append(row)
+    at = spec.gate_point
+    gate = next(p for p in points if p["batch"] == at["batch"] and p["seq"] == at["seq"])
+    return {"points": points, "gate_point": gate} | ({"decode": decode} if spec.model.is_decoder else {})
+
+
+def _row(spec: PipelineSpec, point: dict[str, int], rounds: Rounds, name: str) -> dict[str, Any]:
+    batch, seq = point["batch"], point["seq"]
+    tokens = batch if point["decode"] else batch * seq
+    engine = LatencySamples(rounds.calls_ms(name)).summary(batch, tokens)
+    reference = LatencySamples(rounds.calls_ms(REFERENCE)).summary(batch, tokens)
+    row: dict[str, Any] = {"batch": batch} | ({"past": point["past"]} if point["decode"] else {"seq": seq})
+    row |= engine | {f"reference_{k}": v for k, v in reference.items()}
+    row |= _ratio_fields("speedup_vs_reference", rounds.ratio(REFERENCE, name), spec.benchmark.precision)
+    return row | {"rounds": rounds.count, "seconds": round(rounds.seconds, 3)}
+
+
+def _ratio_fields(prefix: str, ratio: stats.Ratio, precision: float) -> dict[str, Any]:
+    return {prefix: ratio.ratio, f"{prefix}_ci": [ratio.low, ratio.high],
+            f"{prefix}_conclusive": ratio.conclusive(precision)}
+
+
+def _comparison_rows(point: dict[str, int], rounds: Rounds, precision: float) -> list[dict[str, Any]]:
+    """Every ratio measured at one point: `engine` is `ratio` times as fast as `versus` (the MLflow comparison table)."""
+    rows = []
+    for baseline, contender in rounds.pairs:
+        ratio = rounds.ratio(baseline, contender)
+        rows.append({"step": "decode" if point["decode"] else "prefill", "batch": point["batch"], "seq": point["seq"],
+                     "past": point["past"], "engine": contender, "versus": baseline, "ratio": ratio.ratio,
+                     "ci_low": ratio.low, "ci_high": ratio.high, "half_width": ratio.half_width,
+                     "rounds": ratio.rounds, "conclusive": ratio.conclusive(precision)})
+    return rows
+
+
+def _vs(comparisons: list[dict[str, Any]], row: dict[str, Any], name: str, baseline: str,
+        decode: bool) -> dict[str, Any]:
+    """`name` against `baseline` at the point of `row`, read either way round from the comparison table."""
+    where = {"step": "decode" if decode else "prefill", "batch": row["batch"]}
+    where |= {"past": row["past"]} if decode else {"seq": row["seq"]}
+    for found in comparisons:
+        if any(found[k] != v for k, v in where.items()):
+            continue
+        if (found["engine"], found["versus"]) == (name, baseline):
+            ratio, low, high = found["ratio"], found["ci_low"], found["ci_high"]
+        elif (found["engine"], found["versus"]) == (baseline, name):
+            ratio, low, high = 1 / found["ratio"], 1 / found["ci_high"], 1 / found["ci_low"]
+        else:
+            continue
+        return {"vs_champion": ratio, "vs_champion_ci": [low, high], "vs_champion_conclusive": found["conclusive"]}
+    return {}
+
+
+def reference_device(builds: Any) -> str:
+    """Where eager PyTorch runs: on the GPU beside GPU engines when it can, so ratios compare like with like."""
+    import torch
+
+    gpu = any(b.outputs.get("backend") in GPU_BACKENDS for b in builds)
+    return "cuda" if gpu and torch.cuda.is_available() else "cpu"
+
+
+def prefill_past(spec: PipelineSpec) -> int:
     """Prefill runs on an empty cache, or on the shortest past the engine's profiles accept (a KV graph needs one)."""
     return min(p.past[0] for p in spec.profiles) if spec.model.has_past else 0
 
 
-def _decode_row(m: Measurement) -> dict[str, Any]:
-    """One generated token per sequence per step: tokens/s = batch / mean step seconds."""
-    row = m.row(m.batch)
-    del row["seq"]
-    return {"batch": m.batch, "past": m.past, **row}
-
-
 class _Bench:
-    """Feeds and timed calls for one engine and the reference; alternates blocks of repeats between them."""
+    """Feeds and timed calls for the engines and the reference at one shape point."""
 
-    def __init__(self, spec: PipelineSpec, runner: Runner, reference: torch.nn.Module, tokenizer: Any,
-                 texts: list[str], device: str):
-        self.spec, self.runner, self.reference, self.tokenizer, self.texts = spec, runner, reference, tokenizer, texts
+    def __init__(self, spec: PipelineSpec, candidates: list[str], runners: dict[str, Runner],
+                 reference: torch.nn.Module, tokenizer: Any, texts: list[str], device: str):
+        self.spec, self.candidates, self.runners = spec, candidates, runners
+        self.reference, self.tokenizer, self.texts = reference, tokenizer, texts
         self.device = device
         self.timed_reference = reference if device == "cpu" else copy.deepcopy(reference).to(device)
+        self.input_names = sorted({name for runner in runners.values() for name in runner.input_names})
 
     def feeds(self, batch: int, seq: int, past: int) -> dict[str, np.ndarray]:
         if past and not self.spec.model.has_past:
             # Without a KV cache a decode step re-reads the whole prefix: past + 1 tokens, no cache.
             seq, past = past + 1, 0
         return point_feeds(self.spec, self.tokenizer, self.reference, self.texts,
-                           {"batch": batch, "seq": seq, "past": past}, self.runner.input_names)
+                           {"batch": batch, "seq": seq, "past": past}, self.input_names)
 
-    def measure(self, batch: int, seq: int, past: int) -> Measurement:
-        feeds = self.feeds(batch, seq, past)
+    def measure(self, point: dict[str, int]) -> Rounds:
+        """Every engine against the reference, every candidate against each other and against an extra champion."""
+        feeds = self.feeds(point["batch"], point["seq"], point["past"])
         forward = reference_call(self.timed_reference, feeds, self.spec.model.task, self.device)
-        warmup, repeats = self.spec.benchmark.warmup, self.spec.benchmark.repeats
-        engine, reference = LatencySamples(), LatencySamples()
-        self.runner.time_ms(feeds, warmup, 0)
-        time_call_ms(forward, warmup, 0)
-        for block in _blocks(repeats):
-            engine.add(self.runner.time_ms(feeds, 0, block))
-            reference.add(time_call_ms(forward, 0, block))
-        return Measurement(batch, seq, past, engine, reference)
+        contenders = [Contender(REFERENCE, lambda n: time_call_ms(forward, 0, n))]
+        contenders += [Contender(name, engine_timer(runner, feeds)) for name, runner in self.runners.items()]
+        pairs = [(REFERENCE, name) for name in self.candidates]
+        pairs += list(itertools.combinations(self.candidates, 2))
+        pairs += [(extra, name) for extra in self.runners if extra not in self.candidates for name in self.candidates]
+        settings = self.spec.benchmark
+        return measure_rounds(contenders, pairs, warmup=settings.warmup, min_rounds=settings.min_rounds,
+                              max_seconds=settings.max_seconds, precision=settings.precision)
 
 
-def _blocks(repeats: int) -> list[int]:
-    """`repeats` split into up to BLOCKS near-equal blocks."""
-    count = min(BLOCKS, repeats)
-    return [repeats // count + (1 if i < repeats % count else 0) for i in range(count)]
+def engine_timer(runner: Runner, feeds: dict[str, np.ndarray]) -> Callable[[int], list[float]]:
+    return lambda n: runner.time_ms(feeds, 0, n)
 
 
 def time_call_ms(call: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
@@ -202,7 +334,7 @@ def time_call_ms(call: Callable[[], Any], warmup: int, repeats: int) -> list[flo
 
 
 def reference_call(model: torch.nn.Module, feeds: dict[str, np.ndarray], task: str,
-                    device: str = "cpu") -> Callable[[], Any]:
+                   device: str = "cpu") -> Callable[[], Any]:
     """The eager forward for these feeds; a decoder's KV cache is rebuilt per call since forward extends it.
 
     On a GPU each call waits for the device, so host timing measures the work, not the launch.
@@ -230,32 +362,36 @@ def reference_call(model: torch.nn.Module, feeds: dict[str, np.ndarray], task: s
     return call
 
 
-def _samples_table(measurements: list[Measurement], engine_label: str) -> pd.DataFrame:
-    rows = [{"engine": label, "batch": m.batch, "seq": m.seq, "past": m.past, "iteration": i, "ms": ms}
-            for m in measurements
-            for label, samples in ((engine_label, m.engine), (REFERENCE, m.reference))
-            for i, ms in enumerate(samples.samples_ms)]
-    return pd.DataFrame(rows, columns=["engine", "batch", "seq", "past", "iteration", "ms"])
+def _samples_table(measured: list[tuple[dict[str, int], Rounds]]) -> pd.DataFrame:
+    rows = [{"engine": name, "batch": point["batch"], "seq": point["seq"], "past": point["past"],
+             "step": "decode" if point["decode"] else "prefill", "round": r, "call": c, "ms": ms}
+            for point, rounds in measured for name in rounds.names
+            for r, slot in enumerate(rounds.samples_ms[name]) for c, ms in enumerate(slot)]
+    return pd.DataFrame(rows, columns=["engine", "batch", "seq", "past", "step", "round", "call", "ms"])
 
 
-def _plot(measurements: list[Measurement], engine_label: str, path: Path) -> None:
-    """Box plots of the raw samples, engine next to reference, one pair per shape point."""
+def _plot(samples: pd.DataFrame, path: Path) -> None:
+    """Box plots of the raw samples, one box per engine, grouped by shape point."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(max(6.0, 1.6 * len(measurements)), 4.0))
+    groups = list(samples.groupby(["step", "batch", "seq", "past"], sort=False))
+    engines = list(dict.fromkeys(samples["engine"]))
+    fig = Figure(figsize=(max(6.0, 1.2 * len(groups) * len(engines)), 4.0))
     ax = fig.subplots()
-    labels = [f"b{m.batch} s{m.seq}" + (f" p{m.past}" if m.past else "") for m in measurements]
-    centres = np.arange(len(measurements)) * 3.0
-    for offset, colour, label, pick in ((-0.5, "tab:blue", engine_label, lambda m: m.engine),
-                                        (0.5, "tab:orange", REFERENCE, lambda m: m.reference)):
-        boxes = ax.boxplot([pick(m).samples_ms for m in measurements], positions=centres + offset, widths=0.8,
+    width = 0.8 / len(engines)
+    colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray"]
+    for i, engine in enumerate(engines):
+        data = [g[g["engine"] == engine]["ms"].to_numpy() for _, g in groups]
+        positions = np.arange(len(groups)) + (i - (len(engines) - 1) / 2) * width
+        boxes = ax.boxplot([d if d.size else [np.nan] for d in data], positions=positions, widths=width * 0.9,
                            patch_artist=True, showfliers=True)
         for box in boxes["boxes"]:
-            box.set_facecolor(colour)
-        boxes["boxes"][0].set_label(label)
-    ax.set_xticks(centres, labels)
+            box.set_facecolor(colours[i % len(colours)])
+        boxes["boxes"][0].set_label(engine)
+    ax.set_xticks(np.arange(len(groups)),
+                  [f"{step} b{b} s{s}" + (f" p{p}" if p else "") for (step, b, s, p), _ in groups])
     ax.set_yscale("log")
     ax.set_ylabel("latency (ms)")
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

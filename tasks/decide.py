@@ -1,39 +1,133 @@
 """Which passing candidate of each target takes the promotion alias, and why each one does or does not.
 
-Kept apart from promote.py: this module only decides (it reads measurements and the champion);
-promote.py only applies a decision to the registry.
+The rules (README, "How smelter decides"), applied per (pipeline, target):
+- Only a candidate that passed every gate may take the alias.
+- With no champion, the fastest passing candidate takes it (all were timed in the same rounds).
+- When the champion fails today's gates, or its engine cannot run on this machine any more, the
+  fastest passing candidate takes it.
+- Otherwise the fastest passing candidate takes it only if it beats the champion, measured side by
+  side, by more than `performance.min_improvement`, with the 95% interval above 1 and conclusive
+  (half-width within `benchmark.precision`). Anything else leaves the alias where it is.
+"Fastest" is read at the gate point (`performance.at`; by default the largest batch for the
+throughput objective, the smallest for latency). This module only decides; promote.py applies it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tasks.metrics import stage_metrics
-from tasks.outcome import CandidateOutcome, Decision
+from tasks.outcome import CandidateOutcome, Champion, Decision
 from tasks.spec import PipelineSpec
 
 
-def best_candidate(spec: PipelineSpec, passing: list[CandidateOutcome]) -> CandidateOutcome:
-    """Highest gate-point throughput, or lowest p99 latency, per `performance.objective`."""
-    def score(outcome: CandidateOutcome) -> float:
-        metrics = stage_metrics(outcome.stages)
-        if spec.performance.objective == "throughput":
-            return -metrics.get("throughput", float("-inf"))
-        return metrics.get("p99_ms", float("inf"))
-    return min(sorted(passing, key=lambda o: o.candidate.name), key=score)
+def _gate_point(outcome: CandidateOutcome) -> dict[str, Any]:
+    benchmark = outcome.stages.get("benchmark")
+    return (benchmark.outputs.get("gate_point") or {}) if benchmark else {}
+
+
+def _measured_champion(outcomes: list[CandidateOutcome]) -> dict[str, Any] | None:
+    """What the target's benchmark recorded about the champion (label, or why it could not be measured)."""
+    for outcome in outcomes:
+        if (benchmark := outcome.stages.get("benchmark")) and benchmark.outputs.get("champion"):
+            return benchmark.outputs["champion"]
+    return None
+
+
+def _speed(outcome: CandidateOutcome, champion_label: str | None) -> float:
+    """How fast a candidate is at the gate point, on the yardstick every sibling shares in those rounds."""
+    point = _gate_point(outcome)
+    if champion_label is not None:
+        return 1.0 if outcome.candidate.name == champion_label else point.get("vs_champion", float("-inf"))
+    return point.get("speedup_vs_reference", float("-inf"))
+
+
+def _comparison(outcome: CandidateOutcome, champion: Champion) -> dict[str, Any] | None:
+    point = _gate_point(outcome)
+    if "vs_champion" not in point:
+        return None
+    return {"version": champion.version, "ratio": point["vs_champion"], "ci": point["vs_champion_ci"],
+            "conclusive": bool(point["vs_champion_conclusive"])}
+
+
+def _verdict(spec: PipelineSpec, comparison: dict[str, Any]) -> tuple[bool, str]:
+    """(beats the champion enough to take the alias, the sentence that says so or why not)."""
+    ratio, (low, high) = comparison["ratio"], comparison["ci"]
+    needed = 1 + spec.performance.min_improvement
+    shown = f"{ratio:.3g}x [{low:.3g}, {high:.3g}] vs champion v{comparison['version']}"
+    if not comparison["conclusive"]:
+        half = (high - low) / (2 * ratio)
+        return False, (f"inconclusive: {shown}, interval ±{half:.0%} is wider than benchmark.precision "
+                       f"±{spec.benchmark.precision:.0%}")
+    if low > 1 and ratio >= needed:
+        return True, f"faster: {shown} (needs ≥ {needed:.3g}x with the interval above 1)"
+    if high < 1:
+        return False, f"slower: {shown} (a conclusive regression)"
+    return False, f"not significant: {shown} (needs ≥ {needed:.3g}x with the interval above 1)"
+
+
+def _outside_reason(outcome: CandidateOutcome) -> str:
+    if outcome.status == "failed":
+        return outcome.error or "failed"
+    return "; ".join(outcome.gate_reasons) or "rejected"
+
+
+def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion: Champion | None) -> None:
+    """Set `decision` on every candidate of one target."""
+    passing = [o for o in outcomes if o.passed_gates]
+    holder = next((o for o in outcomes if champion and o.cache_key == champion.build_key), None)
+    for outcome in outcomes:
+        if not outcome.passed_gates:
+            kept = " (still holds the alias: no passing candidate can replace it)" if outcome is holder and not passing else ""
+            outcome.decision = Decision(_outside_reason(outcome) + kept, holds_alias=bool(kept))
+    if not passing:
+        return
+    measured = _measured_champion(outcomes) if champion else None
+    label = measured.get("label") if measured else None
+    best = max(sorted(passing, key=lambda o: o.candidate.name), key=lambda o: _speed(o, label))
+    comparisons = {o.candidate.name: _comparison(o, champion) for o in passing} if champion else {}
+
+    def decide(outcome: CandidateOutcome, reason: str, take: bool = False, holds: bool = False) -> None:
+        outcome.decision = Decision(reason, take, comparisons.get(outcome.candidate.name), holds or take)
+
+    if champion is None:
+        for outcome in passing:
+            decide(outcome, "no champion yet: fastest passing candidate" if outcome is best
+                   else f"no champion yet: {best.candidate.name} is faster", outcome is best)
+        return
+    if holder is not None and not holder.passed_gates:
+        why = f"champion v{champion.version} fails today's gates"
+        for outcome in passing:
+            decide(outcome, f"{why}: fastest passing candidate" if outcome is best
+                   else f"{why}: {best.candidate.name} is faster", outcome is best)
+        return
+    if measured and measured.get("unavailable"):
+        permanent = measured.get("permanent", False)
+        why = f"champion v{champion.version} cannot run here ({measured['unavailable']})"
+        for outcome in passing:
+            take = permanent and outcome is best
+            decide(outcome, f"{why}: fastest passing candidate" if take
+                   else f"{why}: nothing moves" if not permanent else f"{why}: {best.candidate.name} is faster", take)
+        return
+    verdicts = {o.candidate.name: _verdict(spec, c) for o in passing if (c := comparisons.get(o.candidate.name))}
+    taker = best if verdicts.get(best.candidate.name, (False,))[0] else None
+    for outcome in passing:
+        if outcome is taker:
+            decide(outcome, verdicts[outcome.candidate.name][1], take=True)
+        elif outcome is holder:
+            decide(outcome, f"loses the alias to {taker.candidate.name}" if taker
+                   else f"holds the alias (champion v{champion.version})", holds=taker is None)
+        elif outcome.candidate.name not in verdicts:
+            decide(outcome, f"not compared with champion v{champion.version}: no side-by-side measurement")
+        else:
+            beats, sentence = verdicts[outcome.candidate.name]
+            decide(outcome, f"{sentence}; {best.candidate.name} is faster" if beats else sentence)
 
 
 def decide(spec: PipelineSpec, outcomes: list[CandidateOutcome],
-           champions: dict[str, dict[str, Any] | None]) -> list[CandidateOutcome]:
-    """Set `decision` on every candidate that passed its gates; the others keep None."""
+           champions: dict[str, Champion | None]) -> list[CandidateOutcome]:
+    """Set `decision` on every candidate, target by target; at most one per target takes the alias."""
     for target in spec.targets:
-        passing = [o for o in outcomes if o.candidate.target == target.name and o.passed_gates]
-        if not passing:
-            continue
-        best = best_candidate(spec, passing)
-        for outcome in passing:
-            if outcome is best:
-                outcome.decision = Decision("best passing candidate", take_alias=True)
-            else:
-                outcome.decision = Decision(f"{best.candidate.name} is faster")
+        mine = [o for o in outcomes if o.candidate.target == target.name]
+        if mine:
+            decide_target(spec, mine, champions.get(target.name))
     return outcomes

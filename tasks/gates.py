@@ -1,12 +1,14 @@
-"""Every gate a candidate must pass before it may be promoted, each with the reasons it failed.
+"""Every gate a candidate must pass on its own before it may be registered, each with its reasons.
 
-Comparisons against the champion use the speedup over the PyTorch reference, which each run
-measures side by side with its engine; absolute milliseconds from two different nights differ
-by machine noise more than by engine quality.
+Threshold gates judge the candidate against the file's limits (accuracy vs the PyTorch reference,
+validity, performance); the regression gate compares its accuracy with the previous registered
+version of the same (pipeline, precision, target) — never with another precision's numbers. Speed
+against the champion is not a gate: it decides who holds the alias (tasks/decide.py).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tasks.outcome import GateResult
@@ -23,7 +25,9 @@ def _check(name: str, thresholds: dict[str, Threshold], values: dict[str, float]
         if value is None:
             reasons.append(f"{metric} was not measured")
         elif why := threshold.violation(value):
-            reasons.append(f"{metric} {why}")
+            interval = values.get(f"{metric}_ci_low"), values.get(f"{metric}_ci_high")
+            shown = f" (95% interval [{interval[0]:.3g}, {interval[1]:.3g}])" if None not in interval else ""
+            reasons.append(f"{metric} {why}{shown}")
     return GateResult(name, not reasons, tuple(reasons))
 
 
@@ -39,36 +43,41 @@ def validity_gate(validity: dict[str, Any] | None) -> GateResult:
     return GateResult("validity", not reasons, tuple(reasons))
 
 
-def champion_gate(spec: PipelineSpec, metrics: dict[str, float], champion: dict[str, Any] | None) -> GateResult:
-    """No regression vs the current champion beyond the configured tolerances."""
-    if not champion:
-        return GateResult("champion", True, ())
-    theirs = champion.get("metrics", {})
-    reasons = []
+def regression_gate(spec: PipelineSpec, metrics: dict[str, float], previous: dict[str, Any] | None) -> GateResult:
+    """No gated accuracy metric worse than the previous version of the same precision beyond the tolerance.
+
+    The tolerance is relative to the previous value; for errors (lower is better) below 1 it is
+    relative to 1, so float noise of 1e-6 against 2e-6 is no regression. A metric the previous
+    version lacks is not compared; one this candidate lacks fails (the accuracy gate says so too).
+    """
+    if not previous:
+        return GateResult("regression", True, ())
+    theirs, tolerance, reasons = previous.get("metrics", {}), spec.accuracy.regression_tolerance, []
     for metric in spec.accuracy.gates:
-        mine, best = metrics.get(f"accuracy.{metric}"), theirs.get(f"accuracy.{metric}")
-        if mine is None or best is None:
+        best = theirs.get(f"accuracy.{metric}")
+        if best is None or not math.isfinite(best):
             continue
-        tolerance = spec.accuracy.champion_tolerance
-        worse = mine < best - tolerance if metric in HIGHER_IS_BETTER else mine > best + tolerance * max(abs(best), 1)
+        mine = metrics.get(f"accuracy.{metric}")
+        if mine is None or not math.isfinite(mine):
+            reasons.append(f"accuracy.{metric} was not measured (v{previous['version']} had {best:.6g})")
+            continue
+        if metric in HIGHER_IS_BETTER:
+            worse, limit = mine < best * (1 - tolerance), best * (1 - tolerance)
+        else:
+            worse, limit = mine > best + tolerance * max(abs(best), 1.0), best + tolerance * max(abs(best), 1.0)
         if worse:
-            reasons.append(f"accuracy.{metric} {mine:.6g} regresses vs champion v{champion['version']} "
-                           f"({best:.6g}, tolerance {tolerance})")
-    mine, best = metrics.get("speedup_vs_reference"), theirs.get("speedup_vs_reference")
-    tolerance = spec.performance.regression_tolerance
-    if mine is not None and best is not None and mine < best * (1 - tolerance):
-        reasons.append(f"speedup_vs_reference {mine:.3f} regresses vs champion v{champion['version']} "
-                       f"({best:.3f}, tolerance {tolerance:.0%})")
-    return GateResult("champion", not reasons, tuple(reasons))
+            reasons.append(f"accuracy.{metric} {mine:.6g} regresses vs v{previous['version']} of the same precision "
+                           f"({best:.6g}; limit {limit:.6g} at tolerance {tolerance:.0%})")
+    return GateResult("regression", not reasons, tuple(reasons))
 
 
 def evaluate(spec: PipelineSpec, metrics: dict[str, float], validity: dict[str, Any] | None,
-             champion: dict[str, Any] | None) -> list[GateResult]:
+             previous: dict[str, Any] | None) -> list[GateResult]:
     """All gates for one candidate (metrics named as in tasks.metrics), in the order a user reads them."""
     accuracy_values = {k.removeprefix("accuracy."): v for k, v in metrics.items() if k.startswith("accuracy.")}
     return [
         validity_gate(validity),
         _check("accuracy", spec.accuracy.gates, accuracy_values),
         _check("performance", spec.performance.gates, metrics),
-        champion_gate(spec, metrics, champion),
+        regression_gate(spec, metrics, previous),
     ]

@@ -9,11 +9,23 @@ from typing import Any
 
 from tasks.store import StageResult
 
-GATE_POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "throughput", "speedup_vs_reference")
+RATIOS = ("speedup_vs_reference", "vs_champion")
+GATE_POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "throughput", *RATIOS)
 POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput", "tokens_per_s",
-                 "reference_p50_ms", "reference_p99_ms", "reference_throughput", "speedup_vs_reference")
-DECODE_METRICS = ("p50_ms", "p99_ms", "reference_p50_ms", "speedup_vs_reference")
+                 "reference_p50_ms", "reference_p99_ms", "reference_throughput", *RATIOS)
+DECODE_METRICS = ("p50_ms", "p99_ms", "tokens_per_s", "reference_p50_ms", *RATIOS)
 BUILD_METRICS = ("build_seconds", "engine_bytes")
+KEY_METRICS = (*GATE_POINT_METRICS, *(f"{r}_ci_{end}" for r in RATIOS for end in ("low", "high")), *BUILD_METRICS)
+
+
+def _point(row: dict[str, Any], names: tuple[str, ...], prefix: str = "") -> dict[str, Any]:
+    """The named figures of one measured point; a ratio also gives its interval as `<name>_ci_low/high`."""
+    found = {f"{prefix}{k}": row[k] for k in names if k in row}
+    for ratio in RATIOS:
+        if ratio in names and isinstance(row.get(f"{ratio}_ci"), list):
+            low, high = row[f"{ratio}_ci"]
+            found |= {f"{prefix}{ratio}_ci_low": low, f"{prefix}{ratio}_ci_high": high}
+    return found
 
 
 def stage_metrics(stages: dict[str, StageResult]) -> dict[str, float]:
@@ -23,20 +35,16 @@ def stage_metrics(stages: dict[str, StageResult]) -> dict[str, float]:
         metrics |= {f"accuracy.{k}": v for k, v in accuracy.outputs.get("metrics", {}).items()}
     if benchmark := stages.get("benchmark"):
         outputs = benchmark.outputs
-        gate_point = outputs.get("gate_point") or {}
-        metrics |= {k: gate_point[k] for k in GATE_POINT_METRICS if k in gate_point}
+        metrics |= _point(outputs.get("gate_point") or {}, GATE_POINT_METRICS)
         for point in outputs.get("points", []):
-            prefix = f"b{point['batch']}_s{point['seq']}"
-            metrics |= {f"{prefix}.{k}": point[k] for k in POINT_METRICS if k in point}
+            metrics |= _point(point, POINT_METRICS, f"b{point['batch']}_s{point['seq']}.")
         for step in outputs.get("decode", []):
-            prefix = f"decode_b{step['batch']}_p{step['past']}"
-            metrics |= {f"{prefix}.{k}": step[k] for k in DECODE_METRICS if k in step}
+            metrics |= _point(step, DECODE_METRICS, f"decode_b{step['batch']}_p{step['past']}.")
     if build := stages.get("build"):
         metrics |= {k: build.outputs[k] for k in BUILD_METRICS if k in build.outputs}
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def key_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """The few numbers a deploy decision reads: accuracy, gate-point speed, engine size and build time."""
-    keep = set(GATE_POINT_METRICS) | set(BUILD_METRICS)
-    return {k: v for k, v in metrics.items() if k in keep or k.startswith("accuracy.")}
+    """The few numbers a deploy decision reads: accuracy, gate-point speed and its interval, engine size and build time."""
+    return {k: v for k, v in metrics.items() if k in KEY_METRICS or k.startswith("accuracy.")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tasks.metrics import RATIOS
 from tasks.spec import Candidate
 from tasks.store import StageResult
 
@@ -21,11 +22,32 @@ class GateResult:
 
 
 @dataclass(frozen=True)
+class Champion:
+    """The registry version holding the promotion alias of one (pipeline, target) when the run starts."""
+
+    registered_model: str
+    version: str
+    run_id: str
+    build_key: str | None
+    precision: str | None
+
+    @property
+    def label(self) -> str:
+        return f"champion v{self.version}"
+
+
+@dataclass(frozen=True)
 class Decision:
     """What the decision rules concluded for one candidate: whether it takes the alias now, and why."""
 
     reason: str
     take_alias: bool = False
+    vs_champion: dict[str, Any] | None = None  # {"version", "ratio", "ci", "conclusive"}
+    holds_alias: bool = False  # after this run: it took the alias, or kept it
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"reason": self.reason, "take_alias": self.take_alias, "holds_alias": self.holds_alias,
+                "vs_champion": self.vs_champion}
 
 
 @dataclass
@@ -47,6 +69,13 @@ class CandidateOutcome:
         return [f"{g.gate}: {r}" for g in self.gates for r in g.reasons]
 
     @property
+    def reason(self) -> str:
+        """The one line a user reads next to the status: the decision's reason, else what failed."""
+        if self.decision is not None:
+            return self.decision.reason
+        return self.error or "; ".join(self.gate_reasons)
+
+    @property
     def passed_gates(self) -> bool:
         return self.status != "failed" and bool(self.gates) and all(g.passed for g in self.gates)
 
@@ -64,12 +93,19 @@ class CandidateOutcome:
             "target": self.candidate.target,
             "status": self.status,
             "gates": [{"gate": g.gate, "passed": g.passed, "reasons": list(g.reasons)} for g in self.gates],
-            "metrics": self.metrics,
+            "metrics": self.metrics | {f"{r}_ci": [self.metrics[f"{r}_ci_low"], self.metrics[f"{r}_ci_high"]]
+                                       for r in RATIOS if f"{r}_ci_low" in self.metrics},
             "error": self.error,
             "failed_stage": self.failed_stage,
-            "stages": {name: {"key": r.key, "cached": r.cached} for name, r in self.stages.items()},
+            "stages": {name: {"key": r.key, "cached": r.cached} | _contended(r) for name, r in self.stages.items()},
             "mlflow_run_id": self.run_id,
             "registered_model": self.model_name,
             "model_version": self.model_version,
-            "decision": {"reason": self.decision.reason} if self.decision else None,
+            "decision": self.decision.as_dict() if self.decision else None,
         }
+
+
+def _contended(stage: StageResult) -> dict[str, bool]:
+    """A measurement says whether other processes competed for the CPU while it ran."""
+    host = stage.outputs.get("host")
+    return {"contended": bool(host.get("contended"))} if isinstance(host, dict) else {}

@@ -41,7 +41,8 @@ MAX_BATCH = 4096
 MAX_SEQ = 262_144
 MAX_SAMPLES = 100_000
 MAX_WARMUP = 10_000
-MAX_REPEATS = 100_000
+MAX_ROUNDS = 10_000
+MAX_BENCHMARK_SECONDS = 3600.0
 MAX_THREADS = 1024
 MAX_THRESHOLD = 1e12
 MAX_TOLERANCE = 1e3
@@ -170,8 +171,12 @@ class BenchmarkSpec(_Strict):
     seq_lens: list[Annotated[int, Field(ge=1, le=MAX_SEQ)]] = Field(
         default_factory=lambda: [128], min_length=1, max_length=32)
     past_len: int = Field(64, ge=1, le=MAX_SEQ, description="decoders: past length for the decode-step latency")
-    warmup: int = Field(10, ge=0, le=MAX_WARMUP)
-    repeats: int = Field(50, ge=3, le=MAX_REPEATS)
+    warmup: int = Field(5, ge=0, le=MAX_WARMUP, description="untimed calls of each engine before the rounds")
+    min_rounds: int = Field(10, ge=3, le=MAX_ROUNDS,
+                            description="interleaved rounds before the stopping rule is checked")
+    max_seconds: float = Field(30.0, gt=0, le=MAX_BENCHMARK_SECONDS,
+                               description="time budget per shape point; past it, inconclusive")
+    precision: float = Field(0.05, gt=0, le=1, description="stop when every ratio's 95% interval is within ±this")
     threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="intra-op threads; None = all cores")
 
 
@@ -204,17 +209,19 @@ class AccuracySpec(_Strict):
     samples: int = Field(64, ge=1, le=MAX_SAMPLES)
     seq_len: int = Field(128, ge=2, le=MAX_SEQ)
     gates: dict[str, Threshold] = Field(default_factory=dict, max_length=32)
-    champion_tolerance: float = Field(
-        0.002, ge=0, le=1, description="how far a metric may be worse than the champion's: absolute for "
-        "scores in [0, 1] (cosine, agreement), relative to max(|champion|, 1) for errors")
+    regression_tolerance: float = Field(
+        0.01, ge=0, le=1, description="how much worse a gated metric may be than the previous version of the same "
+        "(pipeline, precision, target): relative to the previous value (errors below 1 relative to 1)")
 
 
 class PerformanceSpec(_Strict):
     gates: dict[str, Threshold] = Field(default_factory=dict, max_length=32)
     objective: Literal["throughput", "latency"] = "throughput"
     at: dict[str, Annotated[int, Field(ge=1, le=MAX_SEQ)]] | None = Field(
-        None, max_length=2, description="{batch, seq} the gates read; default largest batch, first seq")
-    regression_tolerance: float = Field(0.05, ge=0, le=1, description="allowed slowdown vs champion")
+        None, max_length=2, description="{batch, seq} the gates and the objective read; default the largest "
+        "batch (throughput) or the smallest (latency), first seq")
+    min_improvement: float = Field(0.05, ge=0, le=10, description="how much faster than the champion a candidate "
+                                   "must be, conclusively, to take the alias")
 
 
 def _url_problem(url: str) -> str | None:
@@ -461,8 +468,10 @@ class PipelineSpec(_Strict):
 
     @property
     def gate_point(self) -> dict[str, int]:
-        """The (batch, seq) that performance gates and the objective read."""
-        return self.performance.at or {"batch": max(self.benchmark.batch_sizes), "seq": self.benchmark.seq_lens[0]}
+        """The (batch, seq) that performance gates and the objective read: throughput is judged at the
+        largest batch, latency at the smallest, unless `performance.at` says otherwise."""
+        pick = max if self.performance.objective == "throughput" else min
+        return self.performance.at or {"batch": pick(self.benchmark.batch_sizes), "seq": self.benchmark.seq_lens[0]}
 
     def candidates(self, precisions: list[str] | None = None, targets: list[str] | None = None) -> list[Candidate]:
         """Every (precision, target) candidate whose backend builds that precision, or those the filters

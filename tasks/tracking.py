@@ -23,7 +23,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from tasks.metrics import key_metrics, stage_metrics
-from tasks.outcome import CandidateOutcome
+from tasks.outcome import CandidateOutcome, Champion
 from tasks.redact import redacted_url
 from tasks.spec import PipelineSpec
 from tasks.store import MANIFEST, StageResult
@@ -117,6 +117,10 @@ def candidate_tags(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, s
     }
     if build:
         tags |= {"backend_version": str(build.outputs.get("backend_version", "")), "cache_key": build.key}
+    if (benchmark := outcome.stages.get("benchmark")) and (host := benchmark.outputs.get("host")):
+        tags |= {"bench.cpu": str(host.get("cpu")), "bench.contended": str(host.get("contended")).lower(),
+                 "bench.load": f"{host.get('load_start')} -> {host.get('load_end')}",
+                 "bench.foreign_cpu_share": str(host.get("foreign_cpu_share"))}
     if outcome.error:
         tags |= {"error": outcome.error, "failed_stage": outcome.failed_stage or ""}
     return {k: v[:MAX_TAG_CHARS] for k, v in tags.items()}
@@ -150,7 +154,7 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
         _log_tables(outcome.stages)
         if (benchmark := outcome.stages.get("benchmark")) and benchmark.file("latency.png").is_file():
             mlflow.log_artifact(str(benchmark.file("latency.png")), "plots")
-        mlflow.log_text(engine_card(spec, outcome, metrics), "engine_card.md")
+        mlflow.log_text(engine_card(spec, outcome, metrics), "engine_card.md")  # rewritten by finish_candidate
         _log_datasets(spec, outcome)
         status = "FAILED" if outcome.status == "failed" else "FINISHED"
     finally:
@@ -190,13 +194,17 @@ def _log_tables(stages: dict[str, StageResult]) -> None:
         mlflow.log_table(pd.DataFrame(benchmark.outputs["decode"]), "tables/benchmark_decode.json")
     if benchmark and benchmark.file("samples.csv").is_file():
         mlflow.log_table(pd.read_csv(benchmark.file("samples.csv")), "tables/benchmark_samples.json")
+    if benchmark and benchmark.outputs.get("comparisons"):
+        mlflow.log_table(pd.DataFrame(benchmark.outputs["comparisons"]), "tables/comparisons.json")
 
 
 def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str, float]) -> str:
     """A one-page summary someone deciding on a deploy reads before anything else."""
     tags = candidate_tags(spec, outcome)
     lines = [f"# {outcome.candidate.name}", "",
-             f"Status: **{outcome.status}**, gates {tags['gate']}", ""]
+             f"Status: **{outcome.status}**, gates {tags['gate']}", "", f"Why: {outcome.reason}", ""]
+    if outcome.model_version:
+        lines += [f"Registry: `{outcome.model_name}` version {outcome.model_version}", ""]
     if outcome.error:
         lines += [f"Error in stage `{outcome.failed_stage}`: {outcome.error}", ""]
     lines += ["## Gates", "", "| gate | passed | reasons |", "|---|---|---|"]
@@ -226,18 +234,19 @@ def _log_datasets(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
         mlflow.log_input(dataset, context=context)
 
 
-def finish_candidate(run_id: str, outcome: CandidateOutcome) -> None:
-    """Record what promotion decided on the candidate's run."""
-    tags = {"status": outcome.status}
+def finish_candidate(run_id: str, spec: PipelineSpec, outcome: CandidateOutcome) -> None:
+    """Record what was decided on the candidate's run: final status, the reason, the engine card."""
+    tags = {"status": outcome.status, "decision_reason": outcome.reason[:MAX_TAG_CHARS]}
     if outcome.model_name:
         tags |= {"registered_model": outcome.model_name, "model_version": str(outcome.model_version)}
     client = MlflowClient()
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
+    client.log_text(run_id, engine_card(spec, outcome, stage_metrics(outcome.stages)), "engine_card.md")
 
 
-def champion(spec: PipelineSpec, target_name: str) -> dict[str, Any] | None:
-    """The version holding the promotion alias for (pipeline, target), with its run's metrics."""
+def champion(spec: PipelineSpec, target_name: str) -> Champion | None:
+    """The version holding the promotion alias for (pipeline, target), or None."""
     name = registered_model_name(spec.name, target_name)
     try:
         found = MlflowClient().get_model_version_by_alias(name, spec.promotion.alias)
@@ -245,10 +254,25 @@ def champion(spec: PipelineSpec, target_name: str) -> dict[str, Any] | None:
         if _alias_missing(e):
             return None
         raise
-    metrics = dict(MlflowClient().get_run(found.run_id).data.metrics)
-    return {"registered_model": name, "version": found.version, "run_id": found.run_id,
-            "candidate": found.tags.get("candidate"), "cache_key": found.tags.get("cache_key"),
-            "metrics": metrics, "tags": dict(found.tags)}
+    return Champion(registered_model=name, version=str(found.version), run_id=found.run_id,
+                    build_key=found.tags.get("cache_key") or None, precision=found.tags.get("precision"))
+
+
+def previous_version(spec: PipelineSpec, target_name: str, precision: str, build_key: str | None) -> dict[str, Any] | None:
+    """The newest registered version of the same (pipeline, precision, target) built from another key, with
+    its run's metrics: what the accuracy regression gate compares with."""
+    name = registered_model_name(spec.name, target_name)
+    try:
+        versions = find_versions(name, {"precision": precision})
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    others = [v for v in versions if v.tags.get("cache_key") != build_key]
+    if not others:
+        return None
+    newest = others[-1]
+    return {"version": newest.version, "metrics": dict(MlflowClient().get_run(newest.run_id).data.metrics)}
 
 
 @dataclass(frozen=True)
@@ -371,3 +395,26 @@ def find_versions(name: str, tags: dict[str, str]) -> list[RegisteredVersion]:
 def log_directory(run_id: str, local_dir: Path, artifact_path: str) -> None:
     """Attach a directory written after the run was logged (e.g. a Triton package) to that run."""
     MlflowClient().log_artifacts(run_id, str(local_dir), artifact_path)
+
+
+def download_version(name: str, version: str, dest: Path) -> Path:
+    """The files a registry version points to (its run's `engine` artifacts), into `dest`."""
+    return Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{version}", dst_path=str(dest)))
+
+
+def find_version(name: str, version: str) -> RegisteredVersion | None:
+    """A registry version, or None when the model or the version does not exist."""
+    try:
+        return get_version(name, version)
+    except MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def tracking_uri() -> str:
+    return mlflow.get_tracking_uri()
+
+
+def run_metrics(run_id: str) -> dict[str, float]:
+    return dict(MlflowClient().get_run(run_id).data.metrics)

@@ -46,7 +46,7 @@ def test_best_passing_candidate_gets_alias_and_rejected_ones_are_never_registere
     failed = failed_outcome(store, spec, "int8", "sm90")
     outcomes = promote(spec, _logged(spec, [fast, slow, rejected, failed]))
     for outcome in outcomes:
-        tracking.finish_candidate(outcome.run_id, outcome)
+        tracking.finish_candidate(outcome.run_id, spec, outcome)
 
     assert [o.status for o in (fast, slow, rejected, failed)] == ["promoted", "passed", "rejected", "failed"]
     cpu_model = f"{spec.name}-cpu"
@@ -66,11 +66,13 @@ def test_best_passing_candidate_gets_alias_and_rejected_ones_are_never_registere
     assert (run_tags["status"], run_tags["registered_model"], run_tags["model_version"]) == (
         "promoted", cpu_model, fast.model_version)
     assert MlflowClient().get_run(slow.run_id).data.tags["status"] == "passed"
+    assert "Status: **promoted**" in mlflow.artifacts.load_text(f"runs:/{fast.run_id}/engine_card.md")
+    assert run_tags["decision_reason"] == fast.decision.reason
 
     engine = Path(mlflow.artifacts.download_artifacts(f"models:/{cpu_model}@champion", dst_path=str(tmp_path / "dl")))
     assert (engine / "model.onnx").read_bytes() == fast.stages["build"].file("model.onnx").read_bytes()
     champion = tracking.champion(spec, "cpu")
-    assert champion["run_id"] == fast.run_id and champion["metrics"]["throughput"] == 500.0
+    assert (champion.run_id, champion.version, champion.build_key) == (fast.run_id, fast.model_version, fast.cache_key)
 
 
 def test_latency_objective_promotes_the_lowest_p99(tmp_path: Path) -> None:

@@ -1,0 +1,68 @@
+"""The champion's engine on this machine, so it can be timed side by side with tonight's candidates.
+
+Speed against the champion is never read from numbers another run stored: its engine is loaded
+and measured in the same rounds. It comes from this artifact store when its build is here and
+intact, else from the registry (the files the version points to), checked against the hashes
+in its own build manifest before it is trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from tasks import tracking
+from tasks.outcome import Champion
+from tasks.spec import PipelineSpec
+from tasks.store import MANIFEST, ArtifactStore, StageResult, file_digest
+
+CHAMPIONS_DIR = "_champions"
+
+
+class ChampionUnavailable(RuntimeError):
+    """The champion's engine cannot be had here. `permanent`: it never will be (its registry files are
+    corrupt), so the alias may move away from it; otherwise (a registry that did not answer) nothing moves."""
+
+    def __init__(self, message: str, *, permanent: bool):
+        super().__init__(message)
+        self.permanent = permanent
+
+
+def _intact(engine_dir: Path) -> dict | None:
+    """The build manifest when every file it lists is present with its recorded sha256, else None."""
+    try:
+        manifest = json.loads((engine_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    for name, meta in manifest.get("files", {}).items():
+        path = engine_dir / name
+        if not path.is_file() or path.stat().st_size != meta.get("bytes") or file_digest(path) != meta.get("sha256"):
+            return None
+    return manifest
+
+
+def champion_build(spec: PipelineSpec, champion: Champion, store: ArtifactStore) -> StageResult:
+    """The champion's build output: from the store, else downloaded from the registry and verified."""
+    if champion.build_key and (hit := store.lookup(spec.name, "build", champion.build_key)):
+        return hit
+    final = store.root / CHAMPIONS_DIR / champion.registered_model / champion.version
+    manifest = _intact(final) if final.is_dir() else None
+    if manifest is None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".v{champion.version}.", dir=final.parent))
+        try:
+            got = tracking.download_version(champion.registered_model, champion.version, tmp)
+            manifest = _intact(got)
+            if manifest is None:
+                raise ChampionUnavailable(
+                    f"{champion.label} of {champion.registered_model}: the registry's files do not match the "
+                    f"hashes in their build manifest; not measuring a corrupt engine", permanent=True)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(got, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return StageResult(spec.name, "build", manifest.get("key", champion.build_key or ""), final, manifest, cached=True)

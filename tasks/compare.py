@@ -1,0 +1,78 @@
+"""`smelter compare`: two registered engines timed side by side on this machine, for a user who doubts a decision.
+
+The same interleaved rounds and interval as the benchmark stage (tasks/measure.py, tasks/stats.py),
+on the pipeline's own evaluation text at one shape point; no reference, no decision, nothing written
+to the registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tasks import tracking
+from tasks.benchmark import benchmark_threads, prefill_past, engine_timer
+from tasks.build import open_engine
+from tasks.champion import champion_build
+from tasks.hostload import LoadWatch
+from tasks.inputs import point_feeds, read_texts
+from tasks.measure import Contender, measure_rounds
+from tasks.models import load_reference, load_tokenizer
+from tasks.outcome import Champion
+from tasks.spec import PipelinesFile, PipelineSpec, SpecError
+from tasks.stats import METHOD
+from tasks.store import ArtifactStore
+
+
+@dataclass(frozen=True)
+class ComparedModel:
+    spec: PipelineSpec
+    target: str
+
+
+def find_registered_model(specs: PipelinesFile, registered_model: str) -> ComparedModel:
+    """The (pipeline, target) whose registered model this is; a name no pipeline owns is a usage error."""
+    owners = [ComparedModel(spec, t.name) for spec in specs.pipelines.values() for t in spec.targets
+              if tracking.registered_model_name(spec.name, t.name) == registered_model]
+    if not owners:
+        known = sorted(tracking.registered_model_name(s.name, t.name) for s in specs.pipelines.values() for t in s.targets)
+        raise SpecError([f"{specs.path}: compare {registered_model}: no pipeline and target of this file register "
+                         f"that model; they register {', '.join(known)}"])
+    return owners[0]
+
+
+def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store: ArtifactStore,
+                     batch: int | None = None, seq: int | None = None) -> dict[str, Any]:
+    """How many times faster version_b is than version_a at (batch, seq), with its 95% interval."""
+    spec, name = owner.spec, tracking.registered_model_name(owner.spec.name, owner.target)
+    point = {"batch": batch or spec.gate_point["batch"], "seq": seq or spec.gate_point["seq"],
+             "past": prefill_past(spec)}
+    threads = benchmark_threads(spec, getattr(spec.target(owner.target), "threads", None))
+    builds = {}
+    for version in (version_a, version_b):
+        found = tracking.find_version(name, version)
+        if found is None:
+            raise SpecError([f"compare: {name} has no version {version!r} in the registry at "
+                             f"{tracking.tracking_uri()}"])
+        record = Champion(name, found.version, found.run_id, found.tags.get("cache_key") or None,
+                          found.tags.get("precision"))
+        builds[f"v{found.version}"] = champion_build(spec, record, store)
+    runners = {label: open_engine(spec, build, threads=threads) for label, build in builds.items()}
+    try:
+        names = sorted({n for r in runners.values() for n in r.input_names})
+        feeds = point_feeds(spec, load_tokenizer(spec), load_reference(spec), read_texts(spec.resolve(spec.accuracy.data)),
+                            point, names)
+        (label_a, label_b) = list(runners)
+        settings = spec.benchmark
+        with LoadWatch() as load:
+            rounds = measure_rounds([Contender(label, engine_timer(runner, feeds)) for label, runner in runners.items()],
+                                    [(label_a, label_b)], warmup=settings.warmup, min_rounds=settings.min_rounds,
+                                    max_seconds=settings.max_seconds, precision=settings.precision)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    ratio = rounds.ratio(label_a, label_b)
+    return {"registered_model": name, "a": version_a, "b": version_b, "batch": point["batch"], "seq": point["seq"],
+            "ratio": ratio.ratio, "ci": [ratio.low, ratio.high], "half_width": ratio.half_width,
+            "conclusive": ratio.conclusive(settings.precision), "rounds": ratio.rounds,
+            "seconds": round(rounds.seconds, 2), "method": METHOD, "host": load.as_dict()}

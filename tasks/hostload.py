@@ -1,0 +1,90 @@
+"""How busy this host was while a measurement ran: the evidence for calling it contended.
+
+Load averages lag by a minute, so the decisive figure is the share of the CPU that other
+processes used during the measurement, from /proc/stat minus this process's own CPU time.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC_STAT = Path("/proc/stat")
+CPUINFO = Path("/proc/cpuinfo")
+# Other processes using more than this share of all cores during a measurement make it contended.
+CONTENDED_SHARE = 0.25
+
+
+def cpu_model() -> str:
+    try:
+        for line in CPUINFO.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "cpu model"):
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _busy_ticks() -> int | None:
+    """All cores' busy time (user, nice, system, irq, softirq, steal) in clock ticks, or None off Linux."""
+    try:
+        fields = PROC_STAT.read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return user + nice + system + irq + softirq + steal
+
+
+def _own_ticks() -> int:
+    times = os.times()
+    return round((times.user + times.system) * os.sysconf("SC_CLK_TCK"))
+
+
+def _load() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return float("nan")
+
+
+@dataclass
+class HostLoad:
+    """Load averages at start and end, and the share of all cores other processes used in between."""
+
+    cpu: str
+    cores: int
+    load_start: float
+    load_end: float | None = None
+    foreign_cpu_share: float | None = None
+
+    @property
+    def contended(self) -> bool:
+        return self.foreign_cpu_share is not None and self.foreign_cpu_share > CONTENDED_SHARE
+
+    def as_dict(self) -> dict[str, object]:
+        return {"cpu": self.cpu, "cores": self.cores, "load_start": self.load_start, "load_end": self.load_end,
+                "foreign_cpu_share": self.foreign_cpu_share, "contended": self.contended,
+                "contended_above": CONTENDED_SHARE}
+
+
+class LoadWatch:
+    """Context manager: `with LoadWatch() as load: measure()`, then read `load`."""
+
+    def __enter__(self) -> HostLoad:
+        self._wall, self._busy, self._own = time.monotonic(), _busy_ticks(), _own_ticks()
+        self.load = HostLoad(cpu_model(), os.cpu_count() or 1, _load())
+        return self.load
+
+    def __exit__(self, *exc: object) -> None:
+        self.load.load_end = _load()
+        busy = _busy_ticks()
+        wall = time.monotonic() - self._wall
+        if busy is None or self._busy is None or wall <= 0:
+            return
+        foreign = (busy - self._busy) - (_own_ticks() - self._own)
+        capacity = wall * os.sysconf("SC_CLK_TCK") * self.load.cores
+        self.load.foreign_cpu_share = round(min(max(foreign / capacity, 0.0), 1.0), 3)

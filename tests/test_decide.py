@@ -1,0 +1,133 @@
+"""The decision rules, case by case: who takes the alias, who keeps it, and the reason each candidate gets.
+
+Measurements here are written as the benchmark stage reports them (ratios with 95% intervals, measured
+side by side); the rules themselves are plain functions of those, so every case is exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.decide import decide
+from tasks.outcome import CandidateOutcome, Champion, GateResult
+from tasks.spec import Candidate, PipelineSpec
+from tasks.store import StageResult
+
+SPEC = PipelineSpec.model_validate({
+    "name": "enc", "model": {"id": "org/enc", "task": "feature-extraction"},
+    "profiles": [{"batch": [1, 4, 8], "seq": [8, 16, 32]}], "precisions": ["fp32", "fp16", "int8"],
+    "targets": [{"name": "cpu", "backend": "onnxruntime"}],
+    "benchmark": {"batch_sizes": [1, 8], "seq_lens": [16], "precision": 0.05},
+    "performance": {"min_improvement": 0.05},
+})
+CHAMPION = Champion("enc-cpu", "3", "run-3", "key-fp32", "fp32")
+
+
+def candidate(precision: str, *, speedup: float = 2.0, vs_champion: tuple[float, float, float] | None = None,
+              conclusive: bool = True, passed: bool = True, key: str | None = None,
+              champion: dict[str, Any] | None = None) -> CandidateOutcome:
+    """A gated candidate whose target benchmark measured it at batch 8 (the throughput gate point)."""
+    point = {"batch": 8, "seq": 16, "p50_ms": 10.0, "speedup_vs_reference": speedup,
+             "speedup_vs_reference_ci": [speedup * 0.97, speedup * 1.03], "speedup_vs_reference_conclusive": True}
+    if vs_champion is not None:
+        ratio, low, high = vs_champion
+        point |= {"vs_champion": ratio, "vs_champion_ci": [low, high], "vs_champion_conclusive": conclusive}
+    outputs = {"points": [point], "gate_point": point, "champion": champion}
+    stages = {"build": StageResult("enc", "build", key or f"key-{precision}", Path("."), {"outputs": {}}),
+              "benchmark": StageResult("enc", "benchmark", "bench", Path("."), {"outputs": outputs})}
+    gates = [GateResult("accuracy", passed, () if passed else ("cosine_mean 0.9 < min 0.99",))]
+    return CandidateOutcome(Candidate("enc", precision, "cpu"), "passed" if passed else "rejected", stages=stages,
+                            gates=gates)
+
+
+def measured(label: str | None, **extra: Any) -> dict[str, Any]:
+    return {"version": "3", "label": label, "build_key": "key-fp32", "unavailable": None, "permanent": False} | extra
+
+
+def run(*outcomes: CandidateOutcome, champion: Champion | None = CHAMPION) -> dict[str, tuple[bool, bool, str]]:
+    decide(SPEC, list(outcomes), {"cpu": champion})
+    return {o.candidate.precision: (o.decision.take_alias, o.decision.holds_alias, o.decision.reason)
+            for o in outcomes}
+
+
+def test_without_a_champion_the_fastest_passing_candidate_takes_the_alias() -> None:
+    result = run(candidate("fp32", speedup=1.5), candidate("int8", speedup=3.0),
+                 candidate("fp16", speedup=9.0, passed=False), champion=None)
+    assert result["int8"][:2] == (True, True) and result["int8"][2].startswith("no champion yet")
+    assert result["fp32"] == (False, False, "no champion yet: enc/int8/cpu is faster")
+    assert result["fp16"] == (False, False, "accuracy: cosine_mean 0.9 < min 0.99")
+
+
+def test_the_candidate_with_the_champions_build_key_is_the_champion_and_nothing_moves() -> None:
+    label = "enc/fp32/cpu"
+    result = run(candidate("fp32", champion=measured(label)),
+                 candidate("int8", vs_champion=(0.62, 0.60, 0.64), champion=measured(label)))
+    assert result["fp32"] == (False, True, "holds the alias (champion v3)")
+    assert result["int8"][:2] == (False, False)
+    assert result["int8"][2].startswith("slower: 0.62x [0.6, 0.64] vs champion v3 (a conclusive regression)")
+
+
+def test_a_conclusively_better_candidate_takes_the_alias() -> None:
+    label = "enc/fp32/cpu"
+    fp32 = candidate("fp32", champion=measured(label))
+    int8 = candidate("int8", vs_champion=(1.15, 1.10, 1.20), champion=measured(label))
+    result = run(fp32, int8)
+    assert result["int8"][:2] == (True, True) and result["int8"][2].startswith("faster: 1.15x [1.1, 1.2]")
+    assert result["fp32"] == (False, False, "loses the alias to enc/int8/cpu")
+    assert int8.decision.vs_champion == {"version": "3", "ratio": 1.15, "ci": [1.10, 1.20], "conclusive": True}
+
+
+@pytest.mark.parametrize(("ratio", "conclusive", "word"), [
+    ((1.02, 0.99, 1.05), True, "not significant"),   # within noise
+    ((1.04, 1.01, 1.07), True, "not significant"),   # real, but below min_improvement
+    ((1.30, 0.90, 1.70), False, "inconclusive"),     # interval too wide: never moves
+])
+def test_small_or_uncertain_gains_move_nothing(ratio: tuple[float, float, float], conclusive: bool, word: str) -> None:
+    label = "enc/fp32/cpu"
+    result = run(candidate("fp32", champion=measured(label)),
+                 candidate("int8", vs_champion=ratio, conclusive=conclusive, champion=measured(label)))
+    assert result["int8"][:2] == (False, False) and result["int8"][2].startswith(word)
+    assert result["fp32"][1], "the champion keeps the alias"
+
+
+def test_a_champion_that_fails_todays_gates_gives_the_alias_to_the_fastest_passing_candidate() -> None:
+    label = "enc/fp32/cpu"
+    result = run(candidate("fp32", passed=False, champion=measured(label)),
+                 candidate("int8", vs_champion=(0.98, 0.95, 1.01), champion=measured(label)))
+    assert result["int8"][:2] == (True, True)
+    assert result["int8"][2] == "champion v3 fails today's gates: fastest passing candidate"
+    assert result["fp32"][:2] == (False, False)
+
+
+def test_a_failing_champion_with_nobody_to_replace_it_keeps_the_alias_and_says_so() -> None:
+    result = run(candidate("fp32", passed=False, champion=measured("enc/fp32/cpu")))
+    assert result["fp32"][1] and "still holds the alias" in result["fp32"][2]
+
+
+def test_a_champion_that_cannot_run_here_any_more_is_replaced_only_when_that_is_permanent() -> None:
+    gone = measured(None, unavailable="BackendUnavailable: built for another CPU", permanent=True)
+    result = run(candidate("int8", champion=gone, key="key-int8-new"))
+    assert result["int8"][0] and "cannot run here" in result["int8"][2]
+    flaky = measured(None, unavailable="ConnectionError: registry unreachable", permanent=False)
+    result = run(candidate("int8", champion=flaky, key="key-int8-new"))
+    assert result["int8"] == (False, False, "champion v3 cannot run here (ConnectionError: registry unreachable): "
+                                            "nothing moves")
+
+
+def test_a_champion_measured_as_its_own_engine_is_compared_like_a_candidate() -> None:
+    # Tonight's fp32 has a new build key (a new toolchain): the old champion engine ran beside it.
+    result = run(candidate("fp32", key="key-fp32-new", vs_champion=(1.2, 1.15, 1.25),
+                           champion=measured("champion v3")))
+    assert result["fp32"][:2] == (True, True)
+
+
+def test_the_best_sibling_is_the_one_compared_with_the_champion() -> None:
+    label = "champion v3"
+    fp16 = candidate("fp16", key="k16", vs_champion=(1.08, 1.06, 1.10), champion=measured(label))
+    int8 = candidate("int8", key="k8", vs_champion=(1.40, 1.35, 1.45), champion=measured(label))
+    result = run(fp16, int8)
+    assert result["int8"][0] and not result["fp16"][0]
+    assert result["fp16"][2].endswith("; enc/int8/cpu is faster")

@@ -1,0 +1,104 @@
+"""The statistics behind every speed decision, on seeded synthetic samples: the interval covers the true
+ratio as often as it claims, and the stopping rule stops when the ratio is known and not before."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tasks.measure import Contender, measure_rounds
+from tasks.stats import _interval_rank, paired_ratio
+
+# Critical values of the Wilcoxon signed-rank test, two-sided 5% (published tables): the interval is
+# bounded by the (T + 1)-th smallest and largest Walsh averages.
+WILCOXON_T = {6: 0, 8: 3, 10: 8, 15: 25, 20: 52, 25: 89, 30: 137}
+
+
+@pytest.mark.parametrize(("n", "t"), WILCOXON_T.items())
+def test_interval_ranks_match_the_published_signed_rank_table(n: int, t: int) -> None:
+    assert _interval_rank(n) == t + 1
+
+
+def _paired(rng: np.random.Generator, n: int, true_ratio: float, noise: float, load: float) -> tuple:
+    """Per-round times of a baseline and an engine `true_ratio` times faster, sharing each round's load."""
+    shared = rng.lognormal(0.0, load, n)
+    baseline = 10.0 * shared * rng.lognormal(0.0, noise, n)
+    engine = 10.0 / true_ratio * shared * rng.lognormal(0.0, noise, n)
+    return baseline, engine
+
+
+@pytest.mark.parametrize(("n", "noise", "load"), [(12, 0.05, 0.0), (30, 0.10, 0.5), (80, 0.20, 1.0)])
+def test_the_95_percent_interval_covers_the_true_ratio_about_95_percent_of_the_time(
+        n: int, noise: float, load: float) -> None:
+    rng = np.random.default_rng(20261130 + n)
+    trials = 400
+    covered = sum(paired_ratio(*_paired(rng, n, 1.7, noise, load)).excludes(1.7) is False for _ in range(trials))
+    assert 0.92 <= covered / trials <= 0.99, covered / trials
+
+
+def test_a_shared_load_cancels_in_the_ratio() -> None:
+    rng = np.random.default_rng(7)
+    ratio = paired_ratio(*_paired(rng, 20, 2.0, noise=0.02, load=1.5))
+    assert ratio.low < 2.0 < ratio.high and ratio.half_width < 0.03
+
+
+def test_an_outlier_round_barely_moves_the_estimate() -> None:
+    rng = np.random.default_rng(3)
+    baseline, engine = _paired(rng, 25, 1.5, noise=0.03, load=0.0)
+    clean = paired_ratio(baseline, engine).ratio
+    engine[4] *= 40  # one round where the engine was descheduled
+    assert paired_ratio(baseline, engine).ratio == pytest.approx(clean, rel=0.02)
+
+
+def test_identical_engines_give_an_interval_around_one() -> None:
+    rng = np.random.default_rng(11)
+    ratio = paired_ratio(*_paired(rng, 40, 1.0, noise=0.05, load=0.3))
+    assert not ratio.excludes(1.0)
+
+
+@pytest.mark.parametrize("bad", [([], []), ([1.0, 2.0], [1.0]), ([1.0, 0.0], [1.0, 1.0]), ([1.0, float("nan")], [1.0, 1.0])])
+def test_malformed_series_are_refused(bad: tuple[list[float], list[float]]) -> None:
+    with pytest.raises(ValueError):
+        paired_ratio(*bad)
+
+
+def _synthetic(ms: float, noise: float, seed: int) -> Contender:
+    """A contender whose calls take `ms` (returned, not slept) with lognormal noise, plus a little real time."""
+    rng = np.random.default_rng(seed)
+
+    def timer(n: int) -> list[float]:
+        time.sleep(0.0005)
+        return list(ms * rng.lognormal(0.0, noise, n))
+
+    return Contender(f"engine-{seed}", timer)
+
+
+def test_rounds_stop_once_the_ratio_is_known_to_the_precision() -> None:
+    a, b = _synthetic(30.0, 0.01, 1), _synthetic(20.0, 0.01, 2)
+    rounds = measure_rounds([a, b], [(a.name, b.name)], warmup=1, min_rounds=5, max_seconds=30, precision=0.05)
+    assert rounds.count == 5 and rounds.conclusive(0.05)
+    assert rounds.ratio(a.name, b.name).ratio == pytest.approx(1.5, rel=0.02)
+    assert all(len(slot) == rounds.calls_per_slot[name] for name in rounds.names for slot in rounds.samples_ms[name])
+
+
+def test_rounds_run_out_of_time_when_the_ratio_stays_uncertain() -> None:
+    a, b = _synthetic(30.0, 0.8, 3), _synthetic(28.0, 0.8, 4)
+    rounds = measure_rounds([a, b], [(a.name, b.name)], warmup=0, min_rounds=3, max_seconds=0.3, precision=0.01)
+    assert rounds.seconds >= 0.3 and not rounds.conclusive(0.01)
+    assert rounds.count > 3
+
+
+def test_rounds_rotate_the_order_and_refuse_unknown_pairs() -> None:
+    order: list[str] = []
+
+    def named(name: str) -> Contender:
+        return Contender(name, lambda n: order.append(name) or [1.0] * n)
+
+    measure_rounds([named("a"), named("b"), named("c")], [("a", "b")], warmup=0, min_rounds=3, max_seconds=10,
+                   precision=0.5)
+    timed = order[3:]  # after the three calibration calls
+    assert timed[:9] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    with pytest.raises(ValueError, match="not measured"):
+        measure_rounds([named("a")], [("a", "z")], warmup=0, min_rounds=3, max_seconds=1, precision=0.1)
