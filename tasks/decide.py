@@ -54,14 +54,14 @@ def _verdict(spec: PipelineSpec, comparison: dict[str, Any]) -> tuple[bool, str]
     ratio, (low, high) = comparison["ratio"], comparison["ci"]
     needed = 1 + spec.performance.min_improvement
     shown = f"{ratio:.3g}x [{low:.3g}, {high:.3g}] vs champion v{comparison['version']}"
+    if high < 1:
+        return False, f"slower: {shown} (a significant regression: the interval is below 1)"
     if not comparison["conclusive"]:
         half = (high - low) / (2 * ratio)
         return False, (f"inconclusive: {shown}, interval ±{half:.0%} is wider than benchmark.precision "
                        f"±{spec.benchmark.precision:.0%}")
     if low > 1 and ratio >= needed:
         return True, f"faster: {shown} (needs ≥ {needed:.3g}x with the interval above 1)"
-    if high < 1:
-        return False, f"slower: {shown} (a conclusive regression)"
     return False, f"not significant: {shown} (needs ≥ {needed:.3g}x with the interval above 1)"
 
 

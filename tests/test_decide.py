@@ -67,7 +67,7 @@ def test_the_candidate_with_the_champions_build_key_is_the_champion_and_nothing_
                  candidate("int8", vs_champion=(0.62, 0.60, 0.64), champion=measured(label)))
     assert result["fp32"] == (False, True, "holds the alias (champion v3)")
     assert result["int8"][:2] == (False, False)
-    assert result["int8"][2].startswith("slower: 0.62x [0.6, 0.64] vs champion v3 (a conclusive regression)")
+    assert result["int8"][2].startswith("slower: 0.62x [0.6, 0.64] vs champion v3 (a significant regression")
 
 
 def test_a_conclusively_better_candidate_takes_the_alias() -> None:
@@ -91,6 +91,13 @@ def test_small_or_uncertain_gains_move_nothing(ratio: tuple[float, float, float]
                  candidate("int8", vs_champion=ratio, conclusive=conclusive, champion=measured(label)))
     assert result["int8"][:2] == (False, False) and result["int8"][2].startswith(word)
     assert result["fp32"][1], "the champion keeps the alias"
+
+
+def test_a_regression_is_reported_even_when_the_interval_is_wider_than_the_precision() -> None:
+    label = "enc/fp32/cpu"
+    result = run(candidate("fp32", champion=measured(label)),
+                 candidate("int8", vs_champion=(0.84, 0.79, 0.90), conclusive=False, champion=measured(label)))
+    assert result["int8"][:2] == (False, False) and result["int8"][2].startswith("slower: 0.84x")
 
 
 def test_a_champion_that_fails_todays_gates_gives_the_alias_to_the_fastest_passing_candidate() -> None:
