@@ -24,14 +24,18 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="smelter", description="Build, validate, benchmark and promote inference engines.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def with_file(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def with_file(p: argparse.ArgumentParser, *, select: bool = True) -> argparse.ArgumentParser:
         p.add_argument("-f", "--file", default=DEFAULT_FILE, help="pipelines file (default: %(default)s)")
         p.add_argument("--artifacts", default=os.environ.get("SMELTER_ARTIFACTS", "artifacts"),
                        help="artifact store root (default: %(default)s)")
+        p.add_argument("--allow-outside-paths", action="store_true",
+                       help="accept data files outside the pipelines file's directory")
+        if select:
+            p.add_argument("--pipeline", action="append", default=[],
+                           help="only this pipeline (repeatable); problems of the others are warnings")
         return p
 
     run = with_file(sub.add_parser("run", help="run the pipelines"))
-    run.add_argument("--pipeline", action="append", default=[], help="only this pipeline (repeatable)")
     run.add_argument("--precision", action="append", default=[], help="only this precision (repeatable)")
     run.add_argument("--target", action="append", default=[], help="only this target (repeatable)")
     run.add_argument("--force", action="store_true", help="rebuild even what is cached")
@@ -44,16 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     with_file(sub.add_parser("validate", help="check the pipelines file and exit"))
     notify = with_file(sub.add_parser("notify", help="webhook deliveries"))
     notify.add_argument("--retry", action="store_true", required=True, help="send every pending event again")
-    webhooks = with_file(sub.add_parser("webhooks", help="MLflow's own registry webhooks"))
+    webhooks = with_file(sub.add_parser("webhooks", help="MLflow's own registry webhooks"), select=False)
     webhooks.add_argument("action", choices=["sync"],
                           help="sync: mirror the file's webhooks into the MLflow server's registry webhooks")
-    deploy = with_file(sub.add_parser("deploy", help="serve the scheduled deployments, or register them on work pools"))
+    deploy = with_file(sub.add_parser("deploy", help="serve the scheduled deployments, or register them on work pools"),
+                       select=False)
     deploy.add_argument("--pools", action="store_true",
                         help="create the work pools the targets need and register the deployments there "
                              "(for `prefect worker start --pool NAME`) instead of serving them from this process")
     deploy.add_argument("--prefect-yaml", metavar="PATH",
                         help="write the same deployments as a prefect.yaml for `prefect deploy --all`, and exit")
-    compare = with_file(sub.add_parser("compare", help="time two registered engine versions side by side here"))
+    compare = with_file(sub.add_parser("compare", help="time two registered engine versions side by side here"),
+                        select=False)
     compare.add_argument("registered_model", help="e.g. minilm-cpu (<pipeline>-<target>)")
     compare.add_argument("version_a", help="the baseline version")
     compare.add_argument("version_b", help="the version compared with it")
@@ -63,30 +69,48 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(file: str, *, check_env: bool = True) -> Any:
-    from tasks.spec import load
+def _load(args: argparse.Namespace, *, check_env: bool = True) -> Any:
+    """The checked pipelines file; its warnings (other pipelines' problems, unchecked hub models) on stderr."""
+    from tasks.spec import SpecError, load
 
-    return load(file, check_env=check_env)
+    artifacts = Path(args.artifacts)
+    if artifacts.exists() and not artifacts.is_dir():
+        raise SpecError([f"{args.file}: --artifacts {args.artifacts}: is not a directory"])
+    specs = load(args.file, pipelines=getattr(args, "pipeline", None) or None, check_env=check_env,
+                 allow_outside_paths=args.allow_outside_paths)
+    for note in specs.warnings:
+        print(f"warning: {note}", file=sys.stderr)
+    return specs
 
 
-def _warnings(specs: Any) -> list[str]:
-    from tasks.backends.base import get_backend
+def _selected(specs: Any, args: argparse.Namespace) -> list[Any]:
+    return [spec for name, spec in specs.pipelines.items() if not args.pipeline or name in args.pipeline]
+
+
+def _warnings(specs: list[Any]) -> list[str]:
+    """Targets this machine cannot build, and (precision, target) pairs the target's backend does not build."""
+    from tasks.backends.base import BackendUnavailable, get_backend
 
     notes = []
-    for spec in specs.pipelines.values():
+    for spec in specs:
         for target in spec.targets:
-            why = get_backend(target.backend).missing(target)
+            try:
+                why = get_backend(target.backend).missing(target)
+            except BackendUnavailable as e:
+                why = str(e)
             if why:
                 notes.append(f"warning: {spec.name}: target {target.name}: {why}; its candidates will fail here")
+        notes += [f"skipped: {candidate.name}: {why}" for candidate, why in spec.skipped()]
     return notes
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    specs = _load(args.file)
-    for note in _warnings(specs):
+    specs = _load(args)
+    selected = _selected(specs, args)
+    for note in _warnings(selected):
         print(note, file=sys.stderr)
-    count = sum(len(s.candidates()) for s in specs.pipelines.values())
-    print(f"{args.file}: ok ({len(specs.pipelines)} pipelines, {count} candidates)")
+    count = sum(len(s.candidates()) for s in selected)
+    print(f"{args.file}: ok ({len(selected)} pipelines, {count} candidates)")
     return EXIT_OK
 
 
@@ -103,25 +127,30 @@ def _champions(specs: Any) -> dict[str, dict[str, Any]]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    specs = _load(args.file, check_env=False)
+    specs = _load(args, check_env=False)
     from flows.plan import plan_rows
+    from tasks.spec import PipelinesFile
     from tasks.store import ArtifactStore
 
-    for row in plan_rows(specs, ArtifactStore(args.artifacts), _champions(specs)):
+    selected = PipelinesFile(path=specs.path, pipelines={s.name: s for s in _selected(specs, args)})
+    for row in plan_rows(selected, ArtifactStore(args.artifacts), _champions(selected)):
         note = f"  ({row['note']})" if row["note"] else ""
         print(f"{row['node']:<34} {row['stage']:<10} {row['state']:<7} {row['key']}{note}")
+    for spec in selected.pipelines.values():
+        for candidate, why in spec.skipped():
+            print(f"{candidate.name:<34} {'-':<10} skipped {why}")
     return EXIT_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tasks.spec import select
 
-    specs = _load(args.file)
+    specs = _load(args)
     selected = select(specs, args.pipeline, args.precision, args.target)
     from flows import progress
     from flows.nightly import nightly_flow
 
-    for note in _warnings(specs):
+    for note in _warnings(_selected(specs, args)):
         print(note, file=sys.stderr)
     pipelines = args.pipeline or sorted({c.pipeline for c in selected}, key=list(specs.pipelines).index)
     progress.set_level(progress.QUIET if args.quiet else progress.VERBOSE if args.verbose else progress.NORMAL)
@@ -132,7 +161,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     quieted = contextlib.redirect_stdout(sys.stderr) if args.verbose else progress.captured_output(log_path)
     with quieted:
         summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
-                                 targets=args.target or None, force=args.force, artifacts=args.artifacts)
+                                 targets=args.target or None, force=args.force, artifacts=args.artifacts,
+                                 allow_outside_paths=args.allow_outside_paths)
     if not args.verbose:  # Prefect says goodbye to its temporary server at exit, past the capture
         logging.getLogger("prefect").setLevel(logging.WARNING)
     failed = [s for s in summaries if s["status"] == "failed" or s["error"]]
@@ -187,10 +217,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from tasks.compare import compare_versions, find_registered_model
     from tasks.store import ArtifactStore
 
-    owner = find_registered_model(_load(args.file, check_env=False), args.registered_model)
-    for flag in ("batch", "seq"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            print(f"error: --{flag} must be a positive integer, got {getattr(args, flag)}", file=sys.stderr)
+    from tasks.spec import MAX_BATCH, MAX_SEQ
+
+    owner = find_registered_model(_load(args, check_env=False), args.registered_model)
+    for flag, bound in (("batch", MAX_BATCH), ("seq", MAX_SEQ)):
+        value = getattr(args, flag)
+        if value is not None and not 1 <= value <= bound:
+            print(f"error: --{flag} must be an integer from 1 to {bound}, got {value}", file=sys.stderr)
             return EXIT_INVALID
     with contextlib.redirect_stdout(sys.stderr):
         result = compare_versions(owner, args.version_a, args.version_b, ArtifactStore(args.artifacts),
@@ -210,7 +243,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_notify(args: argparse.Namespace) -> int:
     from tasks.notify import retry_pending
 
-    results = retry_pending(list(_load(args.file).pipelines.values()))
+    results = retry_pending(_selected(_load(args), args))
     for r in results:
         print(json.dumps(r, default=str))
     return EXIT_FAILED if any(r.get("status") not in ("delivered", "abandoned") for r in results) else EXIT_OK
@@ -220,7 +253,7 @@ def cmd_webhooks(args: argparse.Namespace) -> int:
     from tasks.mlflow_webhooks import sync
     from tasks.tracking import tracking_server
 
-    specs = _load(args.file)
+    specs = _load(args)
     if tracking_server() is None:
         print("warning: MLFLOW_TRACKING_URI is not an `mlflow server`; registry webhooks fire only from a server",
               file=sys.stderr)
@@ -232,7 +265,7 @@ def cmd_webhooks(args: argparse.Namespace) -> int:
 def cmd_deploy(args: argparse.Namespace) -> int:
     from flows import deploy
 
-    specs = _load(args.file, check_env=not (args.pools or args.prefect_yaml))  # the workers hold the secrets
+    specs = _load(args, check_env=not (args.pools or args.prefect_yaml))  # the workers hold the secrets
     plans = deploy.plan(specs, args.file, args.artifacts)
     if args.prefect_yaml:
         Path(args.prefect_yaml).write_text(deploy.prefect_yaml(plans, args.file))
@@ -259,9 +292,13 @@ COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "notify"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The exit code: 2 for bad usage or an invalid pipelines file, reported before any work starts."""
     from tasks.spec import SpecError
 
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed the usage and why
+        return e.code if isinstance(e.code, int) else EXIT_INVALID
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # Prefect's temporary server gets 20 s to start by default; a busy 2-core machine needs longer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")

@@ -79,7 +79,7 @@ def _per_pool(targets_by_pool: dict[str, list[str]], name: str) -> list[tuple[st
 
 def plan(specs: PipelinesFile, file: str, artifacts: str) -> list[DeploymentPlan]:
     """Every deployment of a pipelines file; `file` and `artifacts` as the flows will see them."""
-    common = {"file": file, "artifacts": artifacts}
+    common = {"file": file, "artifacts": artifacts} | ({"allow_outside_paths": True} if specs.allow_outside_paths else {})
     found = [DeploymentPlan("smelter-nightly", name, pool, common | ({"pool": pool} if targets else {}),
                             f"Every pipeline in {file}{_on(pool, targets)}; run it ad hoc with "
                             f"`prefect deployment run 'smelter-nightly/{name}'`.", tags=[TAG])

@@ -16,9 +16,11 @@ from tasks.spec import PipelineSpec, load
 
 
 @task(name="retry-pending-webhooks", cache_policy=NO_CACHE, persist_result=False)
-def retry_pending_task(file: str) -> list[dict[str, Any]]:
+def retry_pending_task(file: str, pipelines: list[str] | None = None,
+                       allow_outside_paths: bool = False) -> list[dict[str, Any]]:
     """Deliver events a receiver missed on an earlier run before new ones go out."""
-    return notify.retry_pending(list(load(file).pipelines.values()))
+    specs = load(file, pipelines=pipelines, allow_outside_paths=allow_outside_paths)
+    return notify.retry_pending(list(specs.pipelines.values()))
 
 
 def _failed_pipeline(spec: PipelineSpec, precisions: list[str] | None, targets: list[str] | None,
@@ -39,12 +41,13 @@ def _pool_targets(spec: PipelineSpec, pool: str | None, targets: list[str] | Non
 @flow(name="smelter-nightly", flow_run_name="nightly")
 def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = None,
                  precisions: list[str] | None = None, targets: list[str] | None = None,
-                 force: bool = False, artifacts: str = "artifacts", pool: str | None = None) -> list[dict[str, Any]]:
+                 force: bool = False, artifacts: str = "artifacts", allow_outside_paths: bool = False,
+                 pool: str | None = None) -> list[dict[str, Any]]:
     """Build every selected candidate of every selected pipeline (only the targets of `pool`, when
     given: what a pool's worker can build); returns one summary per candidate."""
-    specs = load(file)
+    specs = load(file, pipelines=pipelines, allow_outside_paths=allow_outside_paths)
     try:
-        retry_pending_task(file)
+        retry_pending_task(file, pipelines, allow_outside_paths)
     except Exception as e:  # noqa: BLE001 - old events stay pending; tonight's builds still run
         progress.message(f"warning: retrying pending webhook events failed: {type(e).__name__}: {e}")
     summaries: list[dict[str, Any]] = []
@@ -54,7 +57,7 @@ def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = Non
             continue
         try:
             summaries += pipeline_flow(file, name, precisions=precisions, targets=chosen, force=force,
-                                       artifacts=artifacts)
+                                       artifacts=artifacts, allow_outside_paths=allow_outside_paths)
         except Exception as e:  # noqa: BLE001 - one broken pipeline (MLflow down, ...) does not stop the others
             summaries += _failed_pipeline(specs.pipelines[name], precisions, chosen, e)
     return summaries

@@ -158,9 +158,10 @@ def package_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> int:
 
 @flow(name="smelter-pipeline", flow_run_name="{pipeline}")
 def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None, targets: list[str] | None = None,
-                  force: bool = False, artifacts: str = "artifacts") -> list[dict[str, Any]]:
+                  force: bool = False, artifacts: str = "artifacts",
+                  allow_outside_paths: bool = False) -> list[dict[str, Any]]:
     """Build, judge, record and promote every selected candidate of one pipeline."""
-    spec = load(file).pipelines[pipeline]
+    spec = load(file, pipelines=[pipeline], allow_outside_paths=allow_outside_paths).pipelines[pipeline]
     candidates = spec.candidates(precisions, targets)
     store = ArtifactStore(artifacts)
     store.clean_temp(pipeline)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tasks import accuracy, benchmark, build, export, precision, validate
-from tasks.backends.base import get_backend
+from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.outcome import Champion
 from tasks.spec import PipelineSpec, PipelinesFile
 from tasks.store import ArtifactStore, StageResult
@@ -43,10 +43,13 @@ def pipeline_rows(spec: PipelineSpec, store: ArtifactStore,
     for p in spec.precisions:
         precise, key = _probe(store, spec, "precision", exported, lambda up: precision.precision_key(up, spec, p))
         yield _row(f"{spec.name}/{p}", "precision", precise, key)
-        for target in spec.targets:
+        for target in (t for t in spec.targets if t.precision_problem(p) is None):
             label = f"{spec.name}/{p}/{target.name}"
-            backend = get_backend(target.backend)
-            blocked = backend.missing(target) or ""
+            try:
+                backend = get_backend(target.backend)
+                blocked = backend.missing(target) or ""
+            except BackendUnavailable as e:
+                blocked = str(e)
             built, key = (None, None) if blocked else _probe(
                 store, spec, "build", precise, lambda up: build.build_key(up, target, backend, list(spec.profiles)))
             yield _row(label, "build", built, key, blocked)

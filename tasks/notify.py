@@ -48,6 +48,8 @@ SIGNATURE_HEADER = "X-Smelter-Signature"
 SIGNATURE_VERSION = "v1"
 PENDING_TAG = "smelter.notify.pending"
 MAX_SIGNATURE_AGE_S = 300
+_MAX_HEADER_CHARS = 1024
+_TIMESTAMP = re.compile(r"[0-9]{1,12}")
 _STATUS_TAG = re.compile(r"^smelter\.notify\.(\d+)\.status$")
 
 log = logging.getLogger(__name__)
@@ -73,23 +75,32 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
 
 def verify_signature(secret: str, headers: Mapping[str, str], body: bytes, *,
                      max_age_s: float = MAX_SIGNATURE_AGE_S) -> bool:
-    """True when the body was signed with `secret` less than `max_age_s` ago.
+    """True when the body was signed with `secret` less than `max_age_s` ago; False for anything else.
 
     `headers` is any mapping (case-insensitive lookup); `body` the raw bytes as received, before
-    any JSON parsing. The age check stops an old captured request from being replayed.
+    any JSON parsing. The age check stops an old captured request from being replayed. Whatever a
+    sender puts in the headers (non-ASCII, a 400-digit timestamp, nothing at all), the answer is
+    False, never an exception: a receiver must not crash on hostile requests.
     """
-    delivery_id = _header(headers, DELIVERY_ID_HEADER)
-    timestamp = _header(headers, TIMESTAMP_HEADER)
-    signature = _header(headers, SIGNATURE_HEADER)
-    if not (delivery_id and timestamp and signature):
+    if not isinstance(secret, str) or not secret or not isinstance(body, bytes | bytearray | memoryview):
         return False
     try:
-        age = abs(time.time() - int(timestamp))
-    except ValueError:
+        delivery_id = _header(headers, DELIVERY_ID_HEADER)
+        timestamp = _header(headers, TIMESTAMP_HEADER)
+        signature = _header(headers, SIGNATURE_HEADER)
+    except (AttributeError, TypeError):  # not a mapping of names to values
         return False
-    if age > max_age_s:
+    if not all(isinstance(v, str) and 0 < len(v) <= _MAX_HEADER_CHARS for v in (delivery_id, timestamp, signature)):
         return False
-    return hmac.compare_digest(sign(secret, delivery_id, timestamp, body), signature)
+    if not (_TIMESTAMP.fullmatch(timestamp) and signature.isascii() and delivery_id.isprintable()):
+        return False
+    if abs(time.time() - int(timestamp)) > max_age_s:
+        return False
+    try:
+        expected = sign(secret, delivery_id, timestamp, bytes(body))
+    except UnicodeEncodeError:  # a lone surrogate in the id or the secret
+        return False
+    return hmac.compare_digest(expected.encode(), signature.encode())
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ MLflow's own configuration applies: MLFLOW_TRACKING_URI when set, else MLflow's 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import platform
 import warnings
@@ -16,7 +15,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import mlflow
 import numpy as np
@@ -32,6 +30,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion
+from tasks.redact import redacted_url
 from tasks.spec import PipelineSpec
 from tasks.store import MANIFEST, StageResult
 
@@ -67,16 +66,6 @@ def _experiment_id(client: MlflowClient, pipeline: str) -> str:
 
 def _model_tag(spec: PipelineSpec) -> str:
     return spec.model.id or spec.model.path or ""
-
-
-def redacted_url(url: str) -> str:
-    """scheme://host[:port]/…#<sha256 prefix>: a webhook URL's path or query may carry a token.
-
-    The hash tells configured webhooks apart without storing the URL; userinfo is dropped too.
-    """
-    parts = urlsplit(url)
-    digest = hashlib.sha256(url.encode()).hexdigest()[:8]
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}/…#{digest}"
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, str]:

@@ -12,13 +12,13 @@ from onnx.reference import ReferenceEvaluator
 
 from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.onnxruntime import SIDECAR, OnnxRuntimeBackend, cpu_isa
-from tasks.spec import TargetSpec
+from tasks.spec import OnnxRuntimeTarget
 from tests.fixtures.onnx_graphs import write_mlp
 
-CPU = TargetSpec(name="cpu", backend="onnxruntime", threads=1)
+CPU = OnnxRuntimeTarget(name="cpu", backend="onnxruntime", threads=1)
 
 
-def built(tmp_path: Path, target: TargetSpec = CPU, *, external_data: bool = False) -> tuple[Path, Path]:
+def built(tmp_path: Path, target: OnnxRuntimeTarget = CPU, *, external_data: bool = False) -> tuple[Path, Path]:
     source = write_mlp(tmp_path / "model.onnx", external_data=external_data)
     out = tmp_path / "engine"
     out.mkdir()

@@ -102,7 +102,7 @@ def test_compose_runs_a_worker_per_pool_with_a_gpu_for_each_gpu_pool():
     gpu_file = REPO / "docker" / "pipelines.gpu.yaml"
     commands = {name: " ".join(s["command"]) if isinstance(s.get("command"), list) else s.get("command", "")
                 for name, s in services.items()}
-    for pool in deploy.pools(load(gpu_file, check_env=False)):
+    for pool in deploy.pools(load(gpu_file, check_env=False, allow_outside_paths=True)):
         (worker,) = [n for n, c in commands.items() if f"worker start --pool {pool} " in c + " "]
         env = services[worker]["environment"]
         assert env["PREFECT_API_URL"] == "http://prefect:4200/api" and env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"

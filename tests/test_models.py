@@ -52,7 +52,7 @@ def test_source_digest_follows_local_files_and_pins_hub_revision(tiny_bert_dir, 
 
 def test_missing_model_dir_is_named(pipeline_factory, tmp_path):
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "bert"}))
     spec = _spec(pipeline_factory, tmp_path / "model", "feature-extraction")
     (tmp_path / "model" / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'model'} has no config.json"):

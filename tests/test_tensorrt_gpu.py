@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 from tasks.backends import trt_plan
 from tasks.backends.base import BackendUnavailable
-from tasks.spec import ProfileSpec, TargetSpec
+from tasks.spec import ProfileSpec, TensorRTTarget
 
 pytestmark = pytest.mark.tensorrt
 
@@ -34,7 +34,7 @@ PROFILES = [ProfileSpec(batch=[1, 4, 8], seq=[1, 1, 1]), ProfileSpec(batch=[9, 1
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("trt")
     fp32, fp16 = linear_model(root / "fp32.onnx", False), linear_model(root / "fp16.onnx", True)
-    target = TargetSpec(name=GPU.arch, backend="tensorrt", arch=GPU.arch, workspace="256MiB", optimization_level=1)
+    target = TensorRTTarget(name=GPU.arch, backend="tensorrt", arch=GPU.arch, workspace="256MiB", optimization_level=1)
     out = root / "engine"
     out.mkdir()
     facts = TensorRTBackend().build(fp16, target, PROFILES, out, root / "cache")
@@ -97,7 +97,7 @@ def test_parser_reports_every_error(tmp_path):
     model = helper.make_model(helper.make_graph(nodes, "bad", [x], [y]),
                               opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("smelter.test", 1)])
     onnx.save(model, tmp_path / "bad.onnx")
-    target = TargetSpec(name=GPU.arch, backend="tensorrt", arch=GPU.arch)
+    target = TensorRTTarget(name=GPU.arch, backend="tensorrt", arch=GPU.arch)
     with pytest.raises(EngineBuildError, match="could not parse") as caught:
         TensorRTBackend().build(tmp_path / "bad.onnx", target, PROFILES[:1], tmp_path, tmp_path / "cache")
     assert "NoSuchOp" in str(caught.value)
@@ -105,6 +105,6 @@ def test_parser_reports_every_error(tmp_path):
 
 def test_wrong_arch_target_fails_with_both_archs():
     other = "sm75" if GPU.arch != "sm75" else "sm80"
-    target = TargetSpec(name="other", backend="tensorrt", arch=other)
+    target = TensorRTTarget(name="other", backend="tensorrt", arch=other)
     with pytest.raises(BackendUnavailable, match=f"target {other} wants compute capability"):
         TensorRTBackend().build(None, target, PROFILES, None, None)

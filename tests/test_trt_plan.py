@@ -9,15 +9,15 @@ from onnx import TensorProto, helper
 
 from tasks.backends import trt_plan
 from tasks.backends.trt_plan import EngineMismatch, GpuInfo
-from tasks.spec import ProfileSpec, TargetSpec
+from tasks.spec import ProfileSpec, TensorRTTarget
 
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", (9, 0), "580.159.03")
 A100 = GpuInfo("NVIDIA A100-SXM4-80GB", (8, 0), "580.159.03")
 T4 = GpuInfo("Tesla T4", (7, 5), "535.1")
 
 
-def _target(**kw) -> TargetSpec:
-    return TargetSpec(**{"name": "sm90", "backend": "tensorrt", "arch": "sm90", **kw})
+def _target(**kw) -> TensorRTTarget:
+    return TensorRTTarget(**{"name": "sm90", "backend": "tensorrt", "arch": "sm90", **kw})
 
 
 def _decoder_onnx(path):

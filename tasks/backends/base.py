@@ -8,12 +8,14 @@ benchmark code.
 from __future__ import annotations
 
 import abc
+import importlib
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tasks.backends.table import BACKENDS
 from tasks.spec import ProfileSpec, TargetSpec
 
 
@@ -88,13 +90,17 @@ class Backend(abc.ABC):
 
 
 def get_backend(name: str) -> Backend:
-    """The backend for a target's `backend:` key; imported lazily so a missing runtime only hurts its targets."""
-    if name == "onnxruntime":
-        from tasks.backends.onnxruntime import OnnxRuntimeBackend
+    """The backend for a target's `backend:` key, from the backend table.
 
-        return OnnxRuntimeBackend()
-    if name == "tensorrt":
-        from tasks.backends.tensorrt import TensorRTBackend
-
-        return TensorRTBackend()
-    raise ValueError(f"unknown backend {name!r}")
+    Imported on first use, so a runtime that is absent (or a backend module not installed) only
+    fails the targets that name it, with BackendUnavailable saying why.
+    """
+    info = BACKENDS.get(name)
+    if info is None:
+        raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    try:
+        backend_class = getattr(importlib.import_module(info.module), info.class_name)
+    except (ImportError, AttributeError) as e:
+        raise BackendUnavailable(f"backend {name} is not available here: cannot import {info.module}."
+                                 f"{info.class_name} ({e})") from e
+    return backend_class()

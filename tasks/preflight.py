@@ -1,0 +1,199 @@
+"""Checks of a pipeline against what lies outside its file: data files, the model's config, what
+Optimum can export, the environment.
+
+They run before any work, so an empty eval file or a task the model cannot be exported for fails
+in a second instead of twenty seconds into an export. What cannot be known offline (a hub model
+not in the local cache) is a warning, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tasks import exporter_support
+from tasks.bounded_read import read_bounded
+from tasks.yaml_source import clip, shown
+
+if TYPE_CHECKING:
+    from tasks.spec import PipelineSpec
+
+MAX_DATA_BYTES = 256 << 20
+MAX_CONFIG_BYTES = 16 << 20
+# Config keys that bound the positions a model can attend to, as transformers' architectures name them.
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
+                 "max_seq_len")
+
+Located = tuple[tuple[Any, ...], str]
+
+
+@dataclass
+class Checks:
+    problems: list[Located] = field(default_factory=list)
+    warnings: list[Located] = field(default_factory=list)
+
+
+def check(spec: PipelineSpec, *, allow_outside_paths: bool, check_env: bool) -> Checks:
+    found = Checks(problems=_data_problems(spec, allow_outside_paths))
+    _check_model(spec, found)
+    if check_env:
+        found.problems += [(("promotion", "webhooks", i, "secret_env"), f"environment variable {hook.secret_env} "
+                                                                        "is not set")
+                           for i, hook in enumerate(spec.promotion.webhooks) if not os.environ.get(hook.secret_env)]
+    return found
+
+
+def _data_problems(spec: PipelineSpec, allow_outside_paths: bool) -> list[Located]:
+    uses_calibration = any(c.precision == "int8" for c in spec.candidates())
+    sections = [("accuracy", spec.accuracy.data, spec.accuracy.samples)]
+    if uses_calibration:
+        sections.append(("calibration", spec.calibration.data, spec.calibration.samples))
+    problems = []
+    for section, written, samples in sections:
+        why = _data_problem(spec, section, written, samples, allow_outside_paths)
+        if why:
+            problems.append(((section, "data"), why))
+    return problems
+
+
+def _data_problem(spec: PipelineSpec, section: str, written: str, samples: int,
+                  allow_outside_paths: bool) -> str | None:
+    try:
+        path = spec.resolve(written)
+        root = spec.package_dir(written) if written.startswith("package://") else spec.base_dir
+        real, real_root = path.resolve(), root.resolve()
+    except FileNotFoundError as e:
+        return str(e)
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
+        return f"cannot resolve {shown(written)}: {clip(str(e))}"
+    if not allow_outside_paths and not real.is_relative_to(real_root):
+        return (f"{shown(written)} resolves to {clip(str(real))}, outside {clip(str(real_root))}; "
+                "keep data files beside the pipelines file, or pass --allow-outside-paths")
+    return text_file_problem(path, samples, f"{section}.samples")
+
+
+def text_file_problem(path: Path, samples: int, wanted_by: str) -> str | None:
+    """Why `path` is not a readable UTF-8 text file with at least `samples` non-empty lines, or None."""
+    where = clip(str(path))
+    try:
+        data = read_bounded(path, MAX_DATA_BYTES)
+    except OSError as e:
+        return f"expected a text file, cannot read {where}: {e.strerror}"
+    if len(data) > MAX_DATA_BYTES:
+        return f"{where} is larger than {MAX_DATA_BYTES >> 20} MiB; expected text, one sample per line"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return f"{where} is not UTF-8 text: byte 0x{data[e.start]:02x} on line {line}"
+    lines = sum(1 for line in text.splitlines() if line.strip())
+    if lines == 0:
+        return f"{where} has no text (empty, or blank lines only); expected one sample per line"
+    if lines < samples:
+        return f"{where} has only {lines} non-empty line{'s' if lines > 1 else ''}; {wanted_by} asks for {samples}"
+    return None
+
+
+def _check_model(spec: PipelineSpec, found: Checks) -> None:
+    if spec.model.path:
+        config, problem = _local_config(spec)
+        if problem:
+            found.problems.append((("model", "path"), problem))
+            return
+        source = f"{clip(str(spec.model_dir))}/config.json"
+    else:
+        config, note = _cached_hub_config(spec.model.id or "", spec.model.revision)
+        if note:
+            found.warnings.append((("model", "id"), note))
+            return
+        source = f"the cached config.json of {spec.model.id}"
+    found.problems += config_problems(spec, config, source)
+
+
+def _local_config(spec: PipelineSpec) -> tuple[dict[str, Any], str | None]:
+    try:
+        model_dir = spec.model_dir
+    except FileNotFoundError as e:
+        return {}, str(e)
+    assert model_dir is not None
+    if not model_dir.is_dir():
+        return {}, f"expected a model directory with config.json, {clip(str(model_dir))} is not a directory"
+    return read_config(model_dir / "config.json")
+
+
+def read_config(path: Path) -> tuple[dict[str, Any], str | None]:
+    """A model's config.json as a mapping, or why it cannot be read."""
+    where = clip(str(path))
+    try:
+        data = read_bounded(path, MAX_CONFIG_BYTES)
+    except OSError as e:
+        return {}, f"expected a model directory with config.json, cannot read {where}: {e.strerror}"
+    if len(data) > MAX_CONFIG_BYTES:
+        return {}, f"{where} is larger than {MAX_CONFIG_BYTES >> 20} MiB; not a model config"
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return {}, f"{where} is not UTF-8 text"
+    except ValueError as e:
+        return {}, f"{where} is not valid JSON: {clip(str(e), 100)}"
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        return {}, f"{where} has no model_type; expected a transformers model config"
+    return config, None
+
+
+def _cached_hub_config(repo_id: str, revision: str) -> tuple[dict[str, Any], str | None]:
+    """The hub model's config.json from the local cache only: checking a file never waits on the network."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    except ValueError:
+        cached = None
+    if not isinstance(cached, str):
+        return {}, (f"config.json of {shown(repo_id)} is not in the local Hugging Face cache; its task and "
+                    "positions are checked when it is exported")
+    config, problem = read_config(Path(cached))
+    return config, problem
+
+
+def config_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
+    """The task against what Optimum exports for this model type; every shape against the model's positions."""
+    problems: list[Located] = []
+    model_type = config["model_type"]
+    try:
+        tasks = exporter_support.supported_tasks(model_type)
+    except ImportError as e:
+        return [(("model", "task"), f"cannot check the task: Optimum's ONNX exporter does not import ({clip(str(e))})")]
+    if tasks is None:
+        problems.append((("model", "task"), f"Optimum's ONNX exporter cannot export model type {shown(model_type)} "
+                                            f"({source})"))
+    elif spec.model.task not in tasks:
+        problems.append((("model", "task"), f"Optimum's ONNX exporter cannot export {shown(model_type)} models for "
+                                            f"{spec.model.task}; it supports {', '.join(tasks)}"))
+    key, limit = max_positions(config)
+    if limit is None:
+        return problems
+    for i, profile in enumerate(spec.profiles):
+        past = profile.past[2] if profile.past else 0
+        if profile.seq[2] + past > limit:
+            longest = f"seq max {profile.seq[2]} + past max {past}" if profile.past else f"seq max {profile.seq[2]}"
+            problems.append((("profiles", i, "past" if profile.past else "seq"),
+                             f"{longest} = {profile.seq[2] + past} tokens is beyond the model's {key} {limit} "
+                             f"({source})"))
+    if any(c.precision == "int8" for c in spec.candidates()) and spec.calibration.seq_len > limit:
+        problems.append((("calibration", "seq_len"), f"{spec.calibration.seq_len} tokens is beyond the model's "
+                                                     f"{key} {limit} ({source})"))
+    return problems
+
+
+def max_positions(config: dict[str, Any]) -> tuple[str | None, int | None]:
+    """The config key bounding the model's positions and its value, looking into text_config too."""
+    for scope in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+        for key in POSITION_KEYS:
+            value = scope.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return key, value
+    return None, None
