@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from tasks import tracking
 from tasks.notify import sign
+from tasks.redact import redacted_url
 from tasks.spec import PipelinesFile
 
 PREFIX = "smelter-"
@@ -78,11 +79,11 @@ def sync(specs: PipelinesFile) -> list[dict[str, str]]:
         else:
             tracking.create_webhook(hook.name, hook.url, EVENTS, secret, hook.description)
             action = "created"
-        done.append({"webhook": hook.name, "action": action, "url": tracking.redacted_url(hook.url),
+        done.append({"webhook": hook.name, "action": action, "url": redacted_url(hook.url),
                      "pipelines": ", ".join(hook.pipelines)})
     for stale in existing.values():
         tracking.delete_webhook(stale.webhook_id)
-        done.append({"webhook": stale.name, "action": "deleted", "url": tracking.redacted_url(stale.url),
+        done.append({"webhook": stale.name, "action": "deleted", "url": redacted_url(stale.url),
                      "pipelines": ""})
     return done
 
