@@ -266,7 +266,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from flows import deploy
 
     specs = _load(args, check_env=not (args.pools or args.prefect_yaml))  # the workers hold the secrets
-    plans = deploy.plan(specs, args.file, args.artifacts)
+    plans = deploy.plan(specs, args.file, args.artifacts, fan_out=bool(args.pools or args.prefect_yaml))
     if args.prefect_yaml:
         Path(args.prefect_yaml).write_text(deploy.prefect_yaml(plans, args.file))
         print(f"{args.prefect_yaml}: {len(plans)} deployments")
@@ -280,7 +280,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     for pool, targets in needed.items():
         print(f"pool {pool:<16} {'created' if created[pool] else 'exists':<8} builds {', '.join(targets)}")
     for p in plans:
-        schedule = f"cron {p.schedule.cron} {p.schedule.timezone}" if p.schedule else "ad hoc"
+        schedule = (f"cron {p.schedule.cron} {p.schedule.timezone}" if p.schedule
+                    else "started by pipeline runs" if p.flow_name == deploy.BUILD_FLOW else "ad hoc")
         print(f"deployment {p.full_name:<36} pool {p.pool:<16} {schedule}")
     print("next: on each pool's hosts, from this checkout: "
           + "; ".join(f"prefect worker start --pool {pool}" for pool in needed))

@@ -1,16 +1,18 @@
 """Deployments: one set of names and schedules, whether served here or sent to work pools.
 
 Every target maps to a work pool: its `pool:` when set, else `gpu-<arch>` for a GPU target and
-`cpu` for the rest. A deployment runs the targets of one pool:
+`cpu` for the rest. The deployments:
 
 - `smelter-nightly/nightly`: every pipeline, no schedule (ad hoc: `prefect deployment run`);
-- `smelter-pipeline/<pipeline>`: one pipeline, on its `schedule:`.
+- `smelter-pipeline/<pipeline>`: one pipeline, on its `schedule:`;
+- `smelter-build/<pool>` (on work pools only): builds and measures the targets of one pool for a
+  pipeline run on another pool, which starts it (flows/fleet.py: fan-out and join).
 
-When a file's targets span several pools, each of these is split into one deployment per pool,
-named `<name>-<pool>` and limited to that pool's targets (the nightly one by its `pool` parameter,
-a pipeline's by its `targets`), so every engine is built on a host of its kind. `smelter deploy` serves them from one process; `smelter deploy --pools` creates the
-pools and registers the same deployments there for `prefect worker start --pool <pool>`;
-`smelter deploy --prefect-yaml` writes them out for `prefect deploy --all`.
+`smelter deploy` serves the first two from one process, which builds every target itself.
+`smelter deploy --pools` creates the pools and registers all of them for `prefect worker start
+--pool <pool>`: the pipeline and nightly runs go to the parents' pool (`cpu`, or the file's first
+pool when no target builds on cpu) and build its targets there; every other pool's targets go to
+`smelter-build/<pool>`. `smelter deploy --prefect-yaml` writes the same for `prefect deploy --all`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from tasks.spec import PipelinesFile, ScheduleSpec, TargetSpec
 CPU_POOL = "cpu"
 POOL_TYPE = "process"
 TAG = "smelter"
-FLOWS = {"smelter-nightly": "flows.nightly:nightly_flow", "smelter-pipeline": "flows.pipeline:pipeline_flow"}
+BUILD_FLOW = "smelter-build"
+FLOWS = {"smelter-nightly": "flows.nightly:nightly_flow", "smelter-pipeline": "flows.pipeline:pipeline_flow",
+         BUILD_FLOW: "flows.pipeline:build_targets"}
 PROJECT_STEP = "flows.worker_steps.project_directory"
 ENTER_STEP = "flows.worker_steps.enter_project"
 
@@ -70,37 +74,33 @@ class DeploymentPlan:
         return f"{self.flow_name}/{self.name}"
 
 
-def _per_pool(targets_by_pool: dict[str, list[str]], name: str) -> list[tuple[str, str, list[str] | None]]:
-    """(deployment name, pool, targets) for one deployment, split per pool when it spans several."""
-    if len(targets_by_pool) == 1:
-        return [(name, next(iter(targets_by_pool)), None)]
-    return [(f"{name}-{pool}", pool, sorted(set(targets))) for pool, targets in targets_by_pool.items()]
+def parents_pool(specs: PipelinesFile) -> str:
+    """Where pipeline and nightly runs go on a fleet: `cpu`, or the first pool when no target builds on cpu."""
+    return next(iter(pools(specs)))
 
 
-def plan(specs: PipelinesFile, file: str, artifacts: str) -> list[DeploymentPlan]:
-    """Every deployment of a pipelines file; `file` and `artifacts` as the flows will see them."""
+def plan(specs: PipelinesFile, file: str, artifacts: str, fan_out: bool = False) -> list[DeploymentPlan]:
+    """Every deployment of a pipelines file; `file` and `artifacts` as the flows will see them.
+
+    With `fan_out` (deployments for workers on pools), runs carry the pool they are on and each other
+    pool gets its build deployment; without it (served from one process), every target builds there.
+    """
     common = {"file": file, "artifacts": artifacts} | ({"allow_outside_paths": True} if specs.allow_outside_paths else {})
-    found = [DeploymentPlan("smelter-nightly", name, pool, common | ({"pool": pool} if targets else {}),
-                            f"Every pipeline in {file}{_on(pool, targets)}; run it ad hoc with "
-                            f"`prefect deployment run 'smelter-nightly/{name}'`.", tags=[TAG])
-             for name, pool, targets in _per_pool(pools(specs), "nightly")]
+    home = parents_pool(specs)
+    run = common | ({"pool": home} if fan_out else {})
+    found = [DeploymentPlan("smelter-nightly", "nightly", home, run,
+                            f"Every pipeline in {file}; run it ad hoc with "
+                            f"`prefect deployment run 'smelter-nightly/nightly'`.", tags=[TAG])]
     for spec in specs.pipelines.values():
-        if spec.schedule is None:
-            continue
-        by_pool: dict[str, list[str]] = {}
-        for target in spec.targets:
-            by_pool.setdefault(pool_of(target), []).append(target.name)
-        by_pool = dict(sorted(by_pool.items(), key=lambda item: (item[0] != CPU_POOL, item[0])))
-        for name, pool, targets in _per_pool(by_pool, spec.name):
-            parameters = common | {"pipeline": spec.name} | ({"targets": targets} if targets else {})
-            found.append(DeploymentPlan("smelter-pipeline", name, pool, parameters,
-                                        f"Scheduled build of pipeline {spec.name}{_on(pool, targets)}.",
-                                        spec.schedule, [TAG, spec.name]))
+        if spec.schedule is not None:
+            found.append(DeploymentPlan("smelter-pipeline", spec.name, home, run | {"pipeline": spec.name},
+                                        f"Scheduled build of pipeline {spec.name}.", spec.schedule, [TAG, spec.name]))
+    if fan_out:
+        found += [DeploymentPlan(BUILD_FLOW, pool, pool, common,
+                                 f"Builds and measures the targets of pool {pool} ({', '.join(targets)}) for a "
+                                 f"pipeline run on pool {home}, which starts it.", tags=[TAG])
+                  for pool, targets in pools(specs).items() if pool != home]
     return found
-
-
-def _on(pool: str, targets: list[str] | None) -> str:
-    return f", targets {', '.join(targets)} on pool {pool}" if targets else f", on pool {pool}"
 
 
 def _flow(flow_name: str) -> Any:

@@ -8,7 +8,6 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from flows import progress
-from flows.deploy import pool_of
 from flows.pipeline import pipeline_flow
 from tasks import notify
 from tasks.outcome import CandidateOutcome
@@ -31,20 +30,15 @@ def _failed_pipeline(spec: PipelineSpec, precisions: list[str] | None, targets: 
             for c in spec.candidates(precisions, targets)]
 
 
-def _pool_targets(spec: PipelineSpec, pool: str | None, targets: list[str] | None) -> list[str] | None:
-    """The selected targets of one pipeline that `pool` builds (all selected ones when no pool is given)."""
-    if pool is None:
-        return targets
-    return [t.name for t in spec.targets if pool_of(t) == pool and (not targets or t.name in targets)]
-
-
 @flow(name="smelter-nightly", flow_run_name="nightly")
 def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = None,
                  precisions: list[str] | None = None, targets: list[str] | None = None,
                  force: bool = False, artifacts: str = "artifacts", allow_outside_paths: bool = False,
                  pool: str | None = None) -> list[dict[str, Any]]:
-    """Build every selected candidate of every selected pipeline (only the targets of `pool`, when
-    given: what a pool's worker can build); returns one summary per candidate."""
+    """Build every selected candidate of every selected pipeline; returns one summary per candidate.
+
+    `pool` is the work pool this run is on: other pools' targets are sent to their build deployments
+    (see `pipeline_flow`); without one, every target builds here."""
     specs = load(file, pipelines=pipelines, allow_outside_paths=allow_outside_paths)
     try:
         retry_pending_task(file, pipelines, allow_outside_paths)
@@ -52,12 +46,11 @@ def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = Non
         progress.message(f"warning: retrying pending webhook events failed: {type(e).__name__}: {e}")
     summaries: list[dict[str, Any]] = []
     for name in pipelines or list(specs.pipelines):
-        chosen = _pool_targets(specs.pipelines[name], pool, targets)
-        if chosen == []:
+        if not specs.pipelines[name].candidates(precisions, targets):
             continue
         try:
-            summaries += pipeline_flow(file, name, precisions=precisions, targets=chosen, force=force,
-                                       artifacts=artifacts, allow_outside_paths=allow_outside_paths)
+            summaries += pipeline_flow(file, name, precisions=precisions, targets=targets, force=force,
+                                       artifacts=artifacts, allow_outside_paths=allow_outside_paths, pool=pool)
         except Exception as e:  # noqa: BLE001 - one broken pipeline (MLflow down, ...) does not stop the others
-            summaries += _failed_pipeline(specs.pipelines[name], precisions, chosen, e)
+            summaries += _failed_pipeline(specs.pipelines[name], precisions, targets, e)
     return summaries

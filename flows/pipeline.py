@@ -1,11 +1,16 @@
 """One model's graph: export → validate → precision[p] → build[p, target] → accuracy → benchmark → gate → promote → notify.
 
-Orchestration only. A stage that fails marks the candidates downstream of it `failed` and the
-others carry on; nothing here decides what a stage computes.
+Two flows. `build_targets` (build half: every stage up to the target's benchmark, each candidate
+logged to MLflow) runs wherever the targets' pool is; `pipeline_flow` (judge half) runs the builds,
+in-process for its own pool and through flows/fleet.py for the others, reads the candidates back
+from MLflow, then gates, decides, promotes and notifies. Orchestration only. A stage that fails
+marks the candidates downstream of it `failed` and the others carry on; nothing here decides what
+a stage computes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tempfile
 import traceback
@@ -18,13 +23,13 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
-from flows import events, progress
+from flows import events, fleet, progress
 from flows.stages import accuracy_task, benchmark_task, build_task, export_task, precision_task, validate_task
 from tasks import benchmark, decide, gates, notify, promote, tracking, triton
 from tasks.champion import champion_build
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion
-from tasks.spec import Candidate, PipelineSpec, load
+from tasks.spec import Candidate, PipelineSpec, PipelinesFile, load
 from tasks.store import ArtifactStore, StageResult
 
 
@@ -118,22 +123,23 @@ def gate_task(spec: PipelineSpec, outcome: CandidateOutcome, previous: dict[str,
 
 
 def _judge_and_track(spec: PipelineSpec, outcome: CandidateOutcome, parent_run_id: str) -> CandidateOutcome:
-    """Gate (unless a stage failed), then log; tasks hand back new objects, so keep what they return."""
+    """Gate (unless a stage failed) a candidate its build already logged, and record the verdict on its
+    run; tasks hand back new objects, so keep what they return."""
     name = outcome.candidate.name
     if outcome.status != "failed":
         previous = tracking.previous_version(spec, outcome.candidate.target, outcome.candidate.precision,
                                              outcome.cache_key)
         outcome = gate_task.with_options(task_run_name=f"{name}/gate")(spec, outcome, previous)
     try:
-        outcome.run_id = track_task.with_options(task_run_name=f"{name}/track")(parent_run_id, spec, outcome)
-    except Exception as e:  # noqa: BLE001 - an unrecorded candidate may not be promoted; the others go on
+        tracking.record_gates(outcome.run_id, outcome)
+    except Exception as e:  # noqa: BLE001 - an unrecorded verdict may not be promoted; the others go on
         _fail(outcome, "track", e)
     return outcome
 
 
 @task(name="track", cache_policy=NO_CACHE, persist_result=False)
-def track_task(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutcome) -> str:
-    return tracking.log_candidate(parent_run_id, spec, outcome)
+def track_task(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutcome, where: dict[str, str]) -> str:
+    return tracking.log_candidate(parent_run_id, spec, outcome, extra_tags=where)
 
 
 @task(name="promote", cache_policy=NO_CACHE, persist_result=False)
@@ -150,30 +156,117 @@ def notify_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[di
 def package_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> int:
     """Triton model-repository entries for promoted TensorRT engines, logged to their runs."""
     with tempfile.TemporaryDirectory(prefix="smelter-triton-") as tmp:
-        packages = triton.package_promoted(spec, outcomes, Path(tmp))
+        outcomes = [_with_engine_here(o, Path(tmp) / "engines") for o in outcomes]
+        packages = triton.package_promoted(spec, outcomes, Path(tmp) / "repository")
         for run_id, model_dir in packages.items():
             tracking.log_directory(run_id, model_dir, f"triton/{model_dir.name}")
     return len(packages)
 
 
-@flow(name="smelter-pipeline", flow_run_name="{pipeline}")
-def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None, targets: list[str] | None = None,
-                  force: bool = False, artifacts: str = "artifacts",
-                  allow_outside_paths: bool = False) -> list[dict[str, Any]]:
-    """Build, judge, record and promote every selected candidate of one pipeline."""
+def _with_engine_here(outcome: CandidateOutcome, engines: Path) -> CandidateOutcome:
+    """A promoted TensorRT candidate built on another host, with its engine downloaded from its run."""
+    build = outcome.stages.get("build")
+    if outcome.status != "promoted" or build is None or build.outputs.get("backend") != "tensorrt" or build.path.is_dir():
+        return outcome
+    here = tracking.engine_dir(outcome, engines / outcome.run_id)
+    return dataclasses.replace(outcome, stages=outcome.stages | {"build": dataclasses.replace(build, path=here)})
+
+
+@flow(name="smelter-build", flow_run_name="{pipeline}-build")
+def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: str,
+                  precisions: list[str] | None = None, force: bool = False, artifacts: str = "artifacts",
+                  allow_outside_paths: bool = False) -> list[str]:
+    """Build and measure the candidates of `targets` on this host, each logged as a child run of
+    `parent_run_id`; returns their MLflow run ids (the parent reads everything else from MLflow)."""
     spec = load(file, pipelines=[pipeline], allow_outside_paths=allow_outside_paths).pipelines[pipeline]
     candidates = spec.candidates(precisions, targets)
     store = ArtifactStore(artifacts)
     store.clean_temp(pipeline)
     memo = _Memo()
-    run_name = f"{pipeline}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-    with tracking.pipeline_run(spec, run_name, params={"file": file, "force": force}) as parent_run_id:
-        targets = list(dict.fromkeys(c.target for c in candidates))
-        champions = {t: tracking.champion(spec, t) for t in targets}
+    where = fleet.placement_tags()
+    on_gpu = any(spec.target(t).device_kind == "gpu" for t in targets)
+    with fleet.gpu_slot(on_gpu) as gpu:
+        if gpu is not None:
+            where["fleet.gpu"] = gpu
         outcomes = [build_candidate(spec, c, store, memo, force) for c in candidates]
         for target in targets:
-            benchmark_target(spec, target, outcomes, champions[target], store, force)
-        outcomes = [_judge_and_track(spec, o, parent_run_id) for o in outcomes]
+            benchmark_target(spec, target, outcomes, tracking.champion(spec, target), store, force)
+    run_ids = []
+    for outcome in outcomes:
+        try:
+            run_ids.append(track_task.with_options(task_run_name=f"{outcome.candidate.name}/track")(
+                parent_run_id, spec, outcome, where))
+        except Exception as e:  # noqa: BLE001 - the parent finds no run for it and fails it; the others go on
+            progress.stage_failed(outcome.candidate.name, "track", f"{type(e).__name__}: {e}")
+    return run_ids
+
+
+@task(name="build-on-pool", cache_policy=NO_CACHE, persist_result=False)
+def build_on_pool_task(pool: str, parameters: dict[str, Any], worker_timeout: float) -> fleet.PoolRun:
+    return fleet.dispatch(pool, parameters, worker_timeout)
+
+
+def _build_everywhere(specs: PipelinesFile, spec: PipelineSpec, targets: list[str], parent_run_id: str,
+                      build_parameters: dict[str, Any], here: str | None) -> dict[str, str]:
+    """Run every target's builds, this pool's in-process and the others' on their pools at the same time;
+    returns why the targets whose build did not complete have no outcome ({target: reason})."""
+    local, remote = fleet.split_by_pool(spec, targets, here)
+    futures = {pool: build_on_pool_task.with_options(task_run_name=f"{spec.name}@{pool}").submit(
+        pool, build_parameters | {"targets": pool_targets, "parent_run_id": parent_run_id},
+        specs.fleet.worker_timeout) for pool, pool_targets in remote.items()}
+    missing: dict[str, str] = {}
+    if local:
+        try:
+            build_targets(**build_parameters, targets=local, parent_run_id=parent_run_id)
+        except Exception as e:  # noqa: BLE001 - the local targets fail; the other pools' builds go on
+            missing |= {t: f"build failed: {type(e).__name__}: {e}" for t in local}
+    for pool, future in futures.items():
+        try:
+            ran = future.result()
+        except Exception as e:  # noqa: BLE001 - this pool's targets fail; the rest of the run goes on
+            ran = fleet.PoolRun(pool, None, f"build on pool {pool} failed: {type(e).__name__}: {e}")
+        missing |= {t: ran.failure or f"build on pool {pool} (flow run {ran.flow_run_id}) logged no MLflow run"
+                    for t in remote[pool]}
+    return missing
+
+
+def _joined(spec: PipelineSpec, candidates: list[Candidate], parent_run_id: str, store: ArtifactStore,
+            missing: dict[str, str]) -> list[CandidateOutcome]:
+    """Every candidate as its build logged it in MLflow; one with no run failed, with the reason."""
+    logged = tracking.candidate_outcomes(spec, parent_run_id, store.root)
+    outcomes = []
+    for candidate in candidates:
+        outcome = logged.get(candidate.name)
+        if outcome is None:
+            why = missing.get(candidate.target, "its build logged no MLflow run (see the flow run's logs)")
+            outcome = CandidateOutcome(candidate, "failed", error=why, failed_stage="build")
+            progress.stage_failed(candidate.name, "build", why)
+        outcomes.append(outcome)
+    return outcomes
+
+
+@flow(name="smelter-pipeline", flow_run_name="{pipeline}")
+def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None, targets: list[str] | None = None,
+                  force: bool = False, artifacts: str = "artifacts", allow_outside_paths: bool = False,
+                  pool: str | None = None) -> list[dict[str, Any]]:
+    """Build, judge, record and promote every selected candidate of one pipeline.
+
+    `pool` is the work pool this run is on: its targets build here, every other pool's on that pool
+    (`smelter-build/<pool>`). Without one (`smelter run`, `smelter deploy`), every target builds here.
+    """
+    specs = load(file, pipelines=[pipeline], allow_outside_paths=allow_outside_paths)
+    spec = specs.pipelines[pipeline]
+    candidates = spec.candidates(precisions, targets)
+    store = ArtifactStore(artifacts)
+    run_name = f"{pipeline}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    with tracking.pipeline_run(spec, run_name, params={"file": file, "force": force}) as parent_run_id:
+        chosen = list(dict.fromkeys(c.target for c in candidates))
+        champions = {t: tracking.champion(spec, t) for t in chosen}
+        build_parameters = {"file": file, "pipeline": pipeline, "precisions": precisions, "force": force,
+                            "artifacts": artifacts, "allow_outside_paths": allow_outside_paths}
+        missing = _build_everywhere(specs, spec, chosen, parent_run_id, build_parameters, pool)
+        outcomes = _joined(spec, candidates, parent_run_id, store, missing)
+        outcomes = [_judge_and_track(spec, o, parent_run_id) if o.run_id else o for o in outcomes]
         outcomes = decide.decide(spec, outcomes, champions)
         try:
             outcomes = promote_task(spec, outcomes)

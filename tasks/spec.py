@@ -48,6 +48,7 @@ MAX_THRESHOLD = 1e12
 MAX_TOLERANCE = 1e3
 MAX_WORKSPACE_BYTES = 1 << 40
 MAX_TIMEOUT_S = 300.0
+MAX_WORKER_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_RETRIES = 10
 MAX_TARGETS = 64
 MAX_PROFILES = 16
@@ -309,6 +310,14 @@ class ScheduleSpec(_Strict):
         return timezone
 
 
+class FleetSpec(_Strict):
+    """How a run spread over work pools waits for their workers (top-level `fleet:`, for every pipeline)."""
+
+    worker_timeout: float = Field(600.0, gt=0, le=MAX_WORKER_TIMEOUT_S,
+                                  description="seconds a pool's build may wait for a worker to pick it up; "
+                                              "then its candidates fail and the rest of the run goes on")
+
+
 Arch = Annotated[str, Field(pattern=r"^sm\d{2,3}$", description="GPU arch, e.g. sm90")]
 
 
@@ -515,6 +524,7 @@ class PipelinesFile(_Strict):
     pipelines: dict[str, PipelineSpec]
     warnings: list[str] = Field(default_factory=list)
     allow_outside_paths: bool = False
+    fleet: FleetSpec = FleetSpec()
 
 
 Located = tuple[tuple[Any, ...], str]
@@ -696,8 +706,10 @@ def load(path: str | os.PathLike, *, pipelines: Sequence[str] | None = None, che
     top = doc.data
     if not isinstance(top, dict):
         raise SpecError([report.describe((), "expected a mapping with 'pipelines'")])
-    problems = [report.describe((k,), "unknown key; expected 'defaults' or 'pipelines'")
-                for k in top if k not in ("defaults", "pipelines")]
+    problems = [report.describe((k,), "unknown key; expected 'defaults' or 'pipelines' (or 'fleet')")
+                for k in top if k not in ("defaults", "pipelines", "fleet")]
+    fleet, fleet_problems = _check_fleet(report, top.get("fleet"))
+    problems += fleet_problems
     defaults = top.get("defaults") or {}
     declared = top.get("pipelines")
     if not isinstance(defaults, dict):
@@ -725,8 +737,19 @@ def load(path: str | os.PathLike, *, pipelines: Sequence[str] | None = None, che
             parsed[name] = spec
     if problems:
         raise SpecError(problems)
-    return PipelinesFile(path=file, pipelines=parsed, allow_outside_paths=allow_outside_paths,
+    return PipelinesFile(path=file, pipelines=parsed, allow_outside_paths=allow_outside_paths, fleet=fleet,
                          warnings=[clip(printable(w), MAX_PROBLEM_CHARS) for w in _bounded(warnings)])
+
+
+def _check_fleet(report: _Report, body: Any) -> tuple[FleetSpec, list[str]]:
+    if body is None:
+        return FleetSpec(), []
+    if not isinstance(body, dict):
+        return FleetSpec(), [report.describe(("fleet",), "expected a mapping like {worker_timeout: 600}")]
+    try:
+        return FleetSpec.model_validate(body), []
+    except ValidationError as e:
+        return FleetSpec(), report.pydantic(("fleet",), e, body)
 
 
 def _check_pipeline(report: _Report, name: str, body: Any, defaults: dict, base_dir: Path, check_env: bool,

@@ -32,7 +32,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion
 from tasks.redact import redacted_url
-from tasks.spec import PipelineSpec
+from tasks.spec import Candidate, PipelineSpec
 from tasks.store import MANIFEST, StageResult
 
 REPORT_FILES = {"validate": ("report.json",), "accuracy": ("per_sample.csv", "three_way.json"),
@@ -41,6 +41,7 @@ MAX_PARAM_CHARS = 6000
 MAX_TAG_CHARS = 8000
 HEADLINE_PREFIX = "_"  # sorts before every other metric name in MLflow's run table and compare view
 DESCRIPTION_TAG = "mlflow.note.content"  # what the MLflow UI shows as a run's description
+OUTCOME_RECORD = "smelter/outcome.json"  # a candidate's stage results, as the parent run rebuilds them
 
 
 def experiment_name(pipeline: str) -> str:
@@ -121,7 +122,8 @@ def candidate_tags(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, s
         "candidate": candidate.name, "pipeline": candidate.pipeline, "model": _model_tag(spec),
         "precision": candidate.precision, "target": candidate.target, "arch": _arch(spec, outcome),
         "backend": build.outputs.get("backend", target.backend) if build else target.backend,
-        "gate": "passed" if outcome.passed_gates else "failed",
+        "gate": "passed" if outcome.passed_gates else "pending" if outcome.status == "passed" and not outcome.gates
+        else "failed",
         "gate_reasons": "; ".join(outcome.gate_reasons), "status": outcome.status,
         "rebuilt": ",".join(name for name, stage in outcome.stages.items() if not stage.cached) or "none",
     }
@@ -146,14 +148,17 @@ def candidate_params(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str,
     return flatten({"precision": precision, "target": target})
 
 
-def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutcome) -> str:
+def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutcome,
+                  extra_tags: dict[str, str] | None = None) -> str:
     """A child run holding everything known about one candidate, even when it failed midway.
 
     Returns the child run id. The run ends FAILED for a failed candidate so the UI shows it red.
+    `extra_tags` say where it was built (host, pool, flow run). The run also holds the candidate's
+    stage results (OUTCOME_RECORD), so the parent can judge it from MLflow alone (`candidate_outcomes`).
     """
     client = MlflowClient()
     metrics = stage_metrics(outcome.stages)
-    tags = resolve_tags(candidate_tags(spec, outcome) | {MLFLOW_PARENT_RUN_ID: parent_run_id})
+    tags = resolve_tags(candidate_tags(spec, outcome) | (extra_tags or {}) | {MLFLOW_PARENT_RUN_ID: parent_run_id})
     created = client.create_run(_experiment_id(client, spec.name), start_time=_work_started_ms(outcome),
                                 tags=tags, run_name=outcome.candidate.name)
     run = mlflow.start_run(run_id=created.info.run_id, nested=True)
@@ -168,6 +173,7 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
             mlflow.log_artifact(str(benchmark.file("latency.png")), "plots")
         mlflow.log_text(engine_card(spec, outcome, metrics), "engine_card.md")  # rewritten by finish_candidate
         _log_datasets(spec, outcome)
+        mlflow.log_dict(outcome_record(outcome), OUTCOME_RECORD)
         status = "FAILED" if outcome.status == "failed" else "FINISHED"
     finally:
         mlflow.end_run(status)
@@ -540,3 +546,65 @@ def describe_pipeline_run(parent_run_id: str, outcomes: list[CandidateOutcome]) 
     client = MlflowClient()
     client.set_tag(parent_run_id, DESCRIPTION_TAG, f"{head}.\n\n" + "\n".join(lines))
     client.set_tag(parent_run_id, "rebuilt", str(rebuilt).lower())
+
+
+def outcome_record(outcome: CandidateOutcome) -> dict[str, Any]:
+    """What a build hands back through MLflow: each stage's key, whether it was reused, and its manifest
+    (the outputs gates, decisions and promotion read), plus how the build ended."""
+    return {"candidate": outcome.candidate.model_dump(), "status": outcome.status, "error": outcome.error,
+            "failed_stage": outcome.failed_stage,
+            "stages": {name: {"key": s.key, "cached": s.cached, "manifest": s.manifest}
+                       for name, s in outcome.stages.items()}}
+
+
+def candidate_outcomes(spec: PipelineSpec, parent_run_id: str, store_root: Path) -> dict[str, CandidateOutcome]:
+    """Every candidate logged under a parent run, rebuilt from its MLflow run (keyed by candidate name).
+
+    This is the join of a fanned-out build: hosts hand back run ids, never pickled objects. A stage's
+    `path` is where this host's artifact store keeps that key; it exists only when the store is shared
+    (see `engine_dir` for the engine itself). The newest run wins if a candidate was logged twice.
+    """
+    client = MlflowClient()
+    runs = client.search_runs([_experiment_id(client, spec.name)],
+                              filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}'",
+                              order_by=["attributes.start_time ASC"], max_results=5000)
+    found: dict[str, CandidateOutcome] = {}
+    for run in runs:
+        outcome = candidate_outcome(run.info.run_id, store_root)
+        if outcome is not None:
+            found[outcome.candidate.name] = outcome
+    return found
+
+
+def candidate_outcome(run_id: str, store_root: Path) -> CandidateOutcome | None:
+    """One candidate's outcome from its run's OUTCOME_RECORD; None for a run without one."""
+    try:
+        record = mlflow.artifacts.load_dict(f"runs:/{run_id}/{OUTCOME_RECORD}")
+    except (MlflowException, OSError):
+        return None
+    candidate = Candidate(**record["candidate"])
+    stages = {name: StageResult(candidate.pipeline, name, s["key"], store_root / candidate.pipeline / name / s["key"],
+                                s["manifest"], cached=s["cached"])
+              for name, s in record["stages"].items()}
+    return CandidateOutcome(candidate, record["status"], stages=stages, error=record["error"],
+                            failed_stage=record["failed_stage"], run_id=run_id)
+
+
+def record_gates(run_id: str, outcome: CandidateOutcome) -> None:
+    """The parent's gate verdict on a run a build logged before it was judged."""
+    tags = {"gate": "passed" if outcome.passed_gates else "failed", "status": outcome.status,
+            "gate_reasons": "; ".join(outcome.gate_reasons)[:MAX_TAG_CHARS]}
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
+def engine_dir(outcome: CandidateOutcome, dest: Path) -> Path:
+    """The candidate's engine on this host: its build directory when the store has it, else the run's
+    `engine` artifacts (or the registry version it points to) downloaded into `dest`."""
+    build = outcome.stages["build"]
+    if build.path.is_dir():
+        return build.path
+    source = MlflowClient().get_run(outcome.run_id).data.tags.get("engine_source") or f"runs:/{outcome.run_id}/engine"
+    dest.mkdir(parents=True, exist_ok=True)
+    return Path(mlflow.artifacts.download_artifacts(source, dst_path=str(dest)))

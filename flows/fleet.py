@@ -1,0 +1,188 @@
+"""Fan-out and join across work pools: what a run sends to other hosts and how it gets it back.
+
+A pipeline run (the parent) builds its own pool's targets in-process and sends every other pool's
+targets to that pool's build deployment, `smelter-build/<pool>`, with `run_deployment`. A build logs
+each candidate as a child MLflow run of the parent's run; the parent joins by reading those runs back
+(`tracking.candidate_outcomes`), never by unpickling what another process returned. A pool whose
+flow run no worker picks up within `fleet.worker_timeout` is cancelled and its candidates fail with
+that reason; the other pools go on.
+
+On a GPU host, a build holds a Prefect global concurrency limit `gpu:<host>:<index>` (limit 1) for
+the GPU it uses and sees only that GPU, so two builds never share one, whatever the worker's limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from flows.deploy import BUILD_FLOW, pool_of
+from tasks.spec import PipelineSpec
+
+POLL_S = 2.0
+GPU_SLOT_RETRY_S = 5.0
+GPU_LIMIT_PREFIX = "gpu"
+
+
+def split_by_pool(spec: PipelineSpec, targets: list[str], here: str | None) -> tuple[list[str], dict[str, list[str]]]:
+    """(targets built here, {other pool: its targets}). With no pool given, everything builds here."""
+    remote: dict[str, list[str]] = {}
+    local = []
+    for name in targets:
+        pool = pool_of(spec.target(name))
+        if here is None or pool == here:
+            local.append(name)
+        else:
+            remote.setdefault(pool, []).append(name)
+    return local, remote
+
+
+def build_deployment(pool: str) -> str:
+    return f"{BUILD_FLOW}/{pool}"
+
+
+@dataclass(frozen=True)
+class PoolRun:
+    """How one pool's build flow run ended, as the parent saw it. `failure` is None when it completed."""
+
+    pool: str
+    flow_run_id: str | None
+    failure: str | None = None
+
+
+def dispatch(pool: str, parameters: dict[str, Any], worker_timeout: float) -> PoolRun:
+    """Start the pool's build and wait for it; cancel it if no worker picks it up within `worker_timeout` s."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Cancelled
+
+    name = build_deployment(pool)
+    try:
+        started = run_deployment(name, parameters=parameters, timeout=0,
+                                 flow_run_name=f"{parameters['pipeline']}@{pool}")
+    except ObjectNotFound:
+        return PoolRun(pool, None, f"no deployment {name}: register it with `smelter deploy --pools`")
+    deadline = time.monotonic() + worker_timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(started.id)
+            state = run.state
+            if state is not None and state.is_final():
+                failure = None if state.is_completed() else (
+                    f"build on pool {pool} ended {state.name}: {state.message or 'see flow run ' + str(run.id)}")
+                return PoolRun(pool, str(run.id), failure)
+            waiting = state is None or state.is_scheduled()
+            if waiting and time.monotonic() > deadline:
+                reason = f"no worker on pool {pool} within {worker_timeout:g} s"
+                result = client.set_flow_run_state(run.id, Cancelled(message=reason))
+                if result.state is not None and result.state.is_cancelled():
+                    return PoolRun(pool, str(run.id), reason)
+                # a worker took it just now: keep waiting for the build
+            time.sleep(POLL_S)
+
+
+def placement_tags() -> dict[str, str]:
+    """Where a candidate was built, as tags on its MLflow run: host, work pool and Prefect flow run."""
+    from prefect.runtime import flow_run
+
+    tags = {"fleet.host": socket.gethostname()}
+    run_id = flow_run.get_id()
+    if run_id:
+        tags["fleet.flow_run_id"] = str(run_id)
+        pool = _work_pool(run_id)
+        if pool:
+            tags["fleet.pool"] = pool
+    return tags
+
+
+def _work_pool(flow_run_id: str) -> str | None:
+    """The work pool of this flow run, or of the flow run it is nested in (a subflow has none of its own)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run_id)
+        while run.work_pool_name is None and run.parent_task_run_id is not None:
+            run = client.read_flow_run(client.read_task_run(run.parent_task_run_id).flow_run_id)
+        return run.work_pool_name
+
+
+def host_gpus() -> list[str]:
+    """The GPU indices this process may use: CUDA_VISIBLE_DEVICES when set, else every GPU nvidia-smi lists."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    return [str(i) for i, line in enumerate(listed.stdout.splitlines()) if line.startswith("GPU ")]
+
+
+def gpu_limit_name(host: str, index: str) -> str:
+    return f"{GPU_LIMIT_PREFIX}:{host}:{index}"
+
+
+@contextlib.contextmanager
+def gpu_slot(needed: bool, gpus: list[str] | None = None) -> Iterator[str | None]:
+    """Hold one of this host's GPUs for the block (yields its index, None when no GPU is needed).
+
+    Each GPU has its own global concurrency limit of 1, created on first use; the block waits until
+    one is free, then sees only that GPU (CUDA_VISIBLE_DEVICES), so two builds never share one.
+    """
+    if not needed:
+        yield None
+        return
+    gpus = host_gpus() if gpus is None else gpus
+    if not gpus:
+        raise RuntimeError(f"a GPU target needs a GPU, and host {socket.gethostname()} has none "
+                           "(no CUDA_VISIBLE_DEVICES, no nvidia-smi); start this pool's worker on a GPU host")
+    host = socket.gethostname()
+    names = [gpu_limit_name(host, index) for index in gpus]
+    _ensure_limits(names)
+    from prefect.concurrency.sync import concurrency
+
+    while True:
+        for index, name in zip(gpus, names):
+            held = contextlib.ExitStack()
+            try:
+                held.enter_context(concurrency(name, occupy=1, timeout_seconds=1, strict=True))
+            except TimeoutError:
+                continue
+            with held, _only_gpu(index):
+                yield index
+            return
+        time.sleep(GPU_SLOT_RETRY_S)
+
+
+@contextlib.contextmanager
+def _only_gpu(index: str) -> Iterator[None]:
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = index
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def _ensure_limits(names: list[str]) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                client.read_global_concurrency_limit_by_name(name)
+            except ObjectNotFound:
+                with contextlib.suppress(ObjectAlreadyExists):
+                    client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
