@@ -152,7 +152,8 @@ def gpu_slot(needed: bool, gpus: list[str] | None = None) -> Iterator[str | None
         for index, name in zip(gpus, names):
             held = contextlib.ExitStack()
             try:
-                held.enter_context(concurrency(name, occupy=1, timeout_seconds=1, strict=True))
+                held.enter_context(concurrency(name, occupy=1, timeout_seconds=1, strict=True,
+                                                raise_on_lease_renewal_failure=False))
             except TimeoutError:
                 continue
             with held, _only_gpu(index):

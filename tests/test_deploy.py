@@ -32,33 +32,44 @@ def test_one_pool_keeps_plain_names_and_each_schedule(pipeline_factory, tiny_ber
     assert scheduled.entrypoint == "flows.pipeline:pipeline_flow"
 
 
-def test_targets_of_several_pools_split_each_deployment_per_pool(pipeline_factory, tiny_bert_dir):
+def test_a_fleet_runs_parents_on_cpu_and_gets_a_build_deployment_per_other_pool(pipeline_factory, tiny_bert_dir):
     path = pipeline_factory(
         tiny_bert_dir, "feature-extraction", name="enc", schedule={"cron": "0 2 * * *"},
         targets=[{"name": "cpu", "backend": "onnxruntime"}, {"name": "sm90", "backend": "tensorrt", "arch": "sm90"},
                  {"name": "h100", "backend": "tensorrt", "arch": "sm90", "pool": "gpu-h100"}])
     specs = load(path)
     assert deploy.pools(specs) == {"cpu": ["enc/cpu"], "gpu-h100": ["enc/h100"], "gpu-sm90": ["enc/sm90"]}
-    plans = {p.full_name: p for p in deploy.plan(specs, "pipelines.yaml", "artifacts")}
-    assert set(plans) == {f"smelter-{flow}/{name}-{pool}" for flow, name in (("nightly", "nightly"), ("pipeline", "enc"))
-                          for pool in ("cpu", "gpu-h100", "gpu-sm90")}
-    assert plans["smelter-pipeline/enc-gpu-sm90"].parameters["targets"] == ["sm90"]
-    assert plans["smelter-nightly/nightly-gpu-h100"].parameters["pool"] == "gpu-h100"
-    assert plans["smelter-pipeline/enc-gpu-sm90"].pool == "gpu-sm90"
-    assert all(p.schedule.cron == "0 2 * * *" for p in plans.values() if p.flow_name == "smelter-pipeline")
+    plans = {p.full_name: p for p in deploy.plan(specs, "pipelines.yaml", "artifacts", fan_out=True)}
+    assert set(plans) == {"smelter-nightly/nightly", "smelter-pipeline/enc",
+                          "smelter-build/gpu-h100", "smelter-build/gpu-sm90"}
+    assert plans["smelter-pipeline/enc"].pool == "cpu" and plans["smelter-pipeline/enc"].parameters["pool"] == "cpu"
+    assert plans["smelter-nightly/nightly"].parameters["pool"] == "cpu"
+    assert plans["smelter-build/gpu-sm90"].pool == "gpu-sm90" and plans["smelter-build/gpu-sm90"].schedule is None
+    assert plans["smelter-build/gpu-sm90"].entrypoint == "flows.pipeline:build_targets"
+    served = {p.full_name: p for p in deploy.plan(specs, "pipelines.yaml", "artifacts")}
+    assert set(served) == {"smelter-nightly/nightly", "smelter-pipeline/enc"}, "served: one process builds all"
+    assert "pool" not in served["smelter-pipeline/enc"].parameters
 
 
-def test_a_pool_nightly_builds_only_its_own_targets_though_names_repeat(pipeline_factory, tiny_bert_dir):
-    from flows.nightly import _pool_targets
+def test_without_cpu_targets_parents_run_on_the_first_pool(pipeline_factory, tiny_bert_dir):
+    path = pipeline_factory(tiny_bert_dir, "feature-extraction", name="enc",
+                            targets=[{"name": "a", "backend": "onnxruntime", "pool": "gpu-b"},
+                                     {"name": "b", "backend": "onnxruntime", "pool": "gpu-a"}])
+    plans = {p.full_name: p for p in deploy.plan(load(path), "pipelines.yaml", "artifacts", fan_out=True)}
+    assert plans["smelter-nightly/nightly"].pool == "gpu-a"
+    assert set(plans) == {"smelter-nightly/nightly", "smelter-build/gpu-b"}
+
+
+def test_a_run_builds_its_own_pools_targets_and_sends_the_others(pipeline_factory, tiny_bert_dir):
+    from flows.fleet import split_by_pool
 
     path = pipeline_factory(tiny_bert_dir, "feature-extraction", name="enc",
                             targets=[{"name": "cpu", "backend": "onnxruntime", "pool": "cpu-large"},
-                                     {"name": "edge", "backend": "onnxruntime"}])
+                                     {"name": "edge", "backend": "onnxruntime"},
+                                     {"name": "edge2", "backend": "onnxruntime", "pool": "cpu-large"}])
     spec = load(path).pipelines["enc"]
-    assert _pool_targets(spec, "cpu-large", None) == ["cpu"]
-    assert _pool_targets(spec, "cpu", None) == ["edge"]
-    assert _pool_targets(spec, "cpu", ["cpu"]) == []
-    assert _pool_targets(spec, None, ["cpu"]) == ["cpu"]
+    assert split_by_pool(spec, ["cpu", "edge", "edge2"], "cpu") == (["edge"], {"cpu-large": ["cpu", "edge2"]})
+    assert split_by_pool(spec, ["cpu", "edge"], None) == (["cpu", "edge"], {})
 
 
 def test_where_a_target_builds_is_not_part_of_its_engine_key(pipeline_factory, tiny_bert_dir):
@@ -68,9 +79,9 @@ def test_where_a_target_builds_is_not_part_of_its_engine_key(pipeline_factory, t
     assert target.pool == "big-cpus" and "pool" not in target.model_dump()
 
 
-def test_prefect_yaml_is_the_same_set_smelter_deploy_serves():
+def test_prefect_yaml_is_the_same_set_smelter_deploy_registers():
     generated = deploy.prefect_yaml(deploy.plan(load(REPO / "pipelines.yaml", check_env=False), "pipelines.yaml",
-                                                "artifacts"), "pipelines.yaml")
+                                                "artifacts", fan_out=True), "pipelines.yaml")
     assert (REPO / "prefect.yaml").read_text() == generated, \
         "prefect.yaml is stale: regenerate it with `smelter deploy --prefect-yaml prefect.yaml`"
     document = yaml.safe_load(generated)
