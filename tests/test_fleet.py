@@ -1,6 +1,7 @@
 """The fleet on loopback: Prefect and MLflow servers as processes, work pools and deployments made by
-`smelter deploy --pools` (and `prefect deploy --all`), a real worker per pool, runs started with
-`prefect deployment run`, and MLflow's own registry webhook announcing the promotion."""
+`smelter deploy --pools` (and `prefect deploy --all`), a real worker per pool but one, a run started
+with `prefect deployment run` that fans its targets out to their pools and joins them through MLflow,
+and MLflow's own registry webhook announcing the promotion."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tests.fixtures.models import write_pipelines
 pytestmark = pytest.mark.slow
 SECRET_ENV = "SMELTER_FLEET_WEBHOOK_SECRET"
 RUN_TIMEOUT_S = 600
+WORKER_TIMEOUT_S = 20
 
 
 def smelter(args: list[str], env: dict[str, str], cwd: Path) -> str:
@@ -35,20 +37,16 @@ def smelter(args: list[str], env: dict[str, str], cwd: Path) -> str:
     return done.stdout
 
 
-def run_deployment(name: str, env: dict[str, str], cwd: Path) -> tuple[str, float]:
+def run_deployment(name: str, env: dict[str, str], cwd: Path, extra: list[str] = ()) -> tuple[str, float]:
     """`prefect deployment run NAME --watch`: the flow run id and the seconds until it finished."""
     started = time.monotonic()
-    done = subprocess.run([cli("prefect"), "deployment", "run", name, "--watch", "--watch-interval", "1",
+    done = subprocess.run([cli("prefect"), "deployment", "run", name, *extra, "--watch", "--watch-interval", "1",
                            "--watch-timeout", str(RUN_TIMEOUT_S)], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S + 60)
     seconds = time.monotonic() - started
     found = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout)
     assert found, f"prefect deployment run {name}:\n{done.stdout}\n{done.stderr}"
     return found.group(1), seconds
-
-
-def flow_run(api: str, run_id: str) -> dict[str, Any]:
-    return httpx.get(f"{api}/flow_runs/{run_id}", timeout=10).json()
 
 
 def deployments(api: str) -> dict[str, dict[str, Any]]:
@@ -66,7 +64,27 @@ def wait_for(condition: Any, timeout_s: float, what: str) -> Any:
     pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def test_deployed_runs_build_on_their_pools_and_mlflow_announces_the_promotion(
+def flow_runs(api: str) -> list[dict[str, Any]]:
+    return httpx.post(f"{api}/flow_runs/filter", json={"limit": 200}, timeout=10).json()
+
+
+def child_runs(parent_run_id: str) -> dict[str, Any]:
+    """The candidate runs logged under one MLflow parent run, by candidate name."""
+    client = MlflowClient()
+    parent = client.get_run(parent_run_id)
+    found = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'")
+    return {r.data.tags["candidate"]: r for r in found}
+
+
+def parent_runs(name: str) -> list[Any]:
+    """The pipeline's parent MLflow runs, oldest first."""
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(f"smelter/{name}")
+    runs = client.search_runs([experiment.experiment_id], "tags.pipeline != ''", order_by=["attributes.start_time ASC"])
+    return [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+
+
+def test_a_deployed_run_fans_out_to_each_pool_joins_in_mlflow_and_promotes_once(
         tmp_path: Path, tiny_bert_dir: Path, mlflow_server: str, prefect_api_server: str,
         recording_receiver: RecordingReceiver) -> None:
     api, name, secret = prefect_api_server, f"fleet-{uuid.uuid4().hex[:6]}", secrets.token_hex(16)
@@ -74,24 +92,29 @@ def test_deployed_runs_build_on_their_pools_and_mlflow_announces_the_promotion(
     project.mkdir()
     write_pipelines(project, tiny_bert_dir, "feature-extraction", precisions=["fp32"], name=name,
                     targets=[{"name": "cpu", "backend": "onnxruntime", "threads": 1},
-                             {"name": "edge", "backend": "onnxruntime", "threads": 1, "pool": "gpu-test"}],
+                             {"name": "edge", "backend": "onnxruntime", "threads": 1, "pool": "gpu-test"},
+                             {"name": "far", "backend": "onnxruntime", "threads": 1, "pool": "gpu-nobody"}],
                     accuracy={"gates": {"cosine_mean": {"min": 0.9}}},
                     performance={"gates": {"p99_ms": {"max": 60000}}},
                     schedule={"cron": "0 3 * * *", "timezone": "UTC"},
                     promotion={"webhooks": [{"url": recording_receiver.url, "secret_env": SECRET_ENV,
                                              "retries": 0, "timeout_s": 5}]})
+    document = yaml.safe_load((project / "pipelines.yaml").read_text())
+    (project / "pipelines.yaml").write_text(yaml.safe_dump({"fleet": {"worker_timeout": WORKER_TIMEOUT_S}, **document}))
     env = project_env(PREFECT_API_URL=api, MLFLOW_TRACKING_URI=mlflow_server, PREFECT_HOME=str(tmp_path / "home"),
                       PREFECT_WORKER_QUERY_SECONDS="1", **{SECRET_ENV: secret})
 
     out = smelter(["deploy", "--pools"], env, project)
-    assert re.search(r"pool cpu\s+created", out) and re.search(r"pool gpu-test\s+created", out), out
-    expected = {"smelter-nightly/nightly-cpu", "smelter-nightly/nightly-gpu-test",
-                f"smelter-pipeline/{name}-cpu", f"smelter-pipeline/{name}-gpu-test"}
+    for pool in ("cpu", "gpu-test", "gpu-nobody"):
+        assert re.search(rf"pool {pool}\s+created", out), out
+    expected = {"smelter-nightly/nightly", f"smelter-pipeline/{name}", "smelter-build/gpu-test",
+                "smelter-build/gpu-nobody"}
     registered = deployments(api)
     assert set(registered) == expected
-    assert registered[f"smelter-pipeline/{name}-gpu-test"]["work_pool_name"] == "gpu-test"
-    assert registered[f"smelter-pipeline/{name}-gpu-test"]["parameters"]["targets"] == ["edge"]
-    assert [s["schedule"]["cron"] for s in registered[f"smelter-pipeline/{name}-cpu"]["schedules"]] == ["0 3 * * *"]
+    assert registered[f"smelter-pipeline/{name}"]["work_pool_name"] == "cpu"
+    assert registered[f"smelter-pipeline/{name}"]["parameters"]["pool"] == "cpu"
+    assert registered["smelter-build/gpu-test"]["work_pool_name"] == "gpu-test"
+    assert [s["schedule"]["cron"] for s in registered[f"smelter-pipeline/{name}"]["schedules"]] == ["0 3 * * *"]
 
     smelter(["deploy", "--prefect-yaml", "prefect.yaml"], env, project)  # a directory with no checkout in it
     deployed = subprocess.run([cli("prefect"), "--no-prompt", "deploy", "--all"], env=env, cwd=project,
@@ -99,44 +122,62 @@ def test_deployed_runs_build_on_their_pools_and_mlflow_announces_the_promotion(
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     again = deployments(api)
     assert set(again) == expected, "prefect deploy --all registers the same deployments, no others"
-    assert again[f"smelter-pipeline/{name}-cpu"]["pull_steps"] == registered[f"smelter-pipeline/{name}-cpu"]["pull_steps"]
+    assert again[f"smelter-pipeline/{name}"]["pull_steps"] == registered[f"smelter-pipeline/{name}"]["pull_steps"]
 
     assert "created" in smelter(["webhooks", "sync"], env, project)
     assert "updated" in smelter(["webhooks", "sync"], env, project)
     ours = [w for w in MlflowClient().list_webhooks() if w.name.startswith("smelter-")]
     assert len(ours) == 1 and ours[0].url == recording_receiver.url
 
-    workers = []
+    workers = {}
     try:
-        for pool in ("cpu", "gpu-test"):
+        for pool in ("cpu", "gpu-test"):  # none for gpu-nobody
             home = tmp_path / f"worker-{pool}"  # not the project: the pull step finds it
             home.mkdir()
-            workers.append(Service([cli("prefect"), "worker", "start", "--pool", pool, "--type", "process",
-                                    "--name", f"worker-{pool}", "--limit", "1"], home / "worker.log", env, home))
-        cold_id, cold_s = run_deployment(f"smelter-pipeline/{name}-cpu", env, tmp_path)
-        edge_id, edge_s = run_deployment(f"smelter-pipeline/{name}-gpu-test", env, tmp_path)
-        warm_id, warm_s = run_deployment(f"smelter-pipeline/{name}-cpu", env, tmp_path)
-        logs = "\n".join(w.log()[-4000:] for w in workers)
-        for run_id, pool in ((cold_id, "cpu"), (edge_id, "gpu-test"), (warm_id, "cpu")):
-            run = flow_run(api, run_id)
-            assert run["state"]["type"] == "COMPLETED", f"{run['state']}\n{logs}"
-            assert run["work_pool_name"] == pool
-            assert run_id in workers[0 if pool == "cpu" else 1].log(), f"run {run_id} not taken by the {pool} worker"
+            workers[pool] = Service([cli("prefect"), "worker", "start", "--pool", pool, "--type", "process",
+                                     "--name", f"worker-{pool}", "--limit", "1"], home / "worker.log", env, home)
+        cold_id, cold_s = run_deployment(f"smelter-pipeline/{name}", env, tmp_path)
+        warm_id, warm_s = run_deployment(f"smelter-pipeline/{name}", env, tmp_path,
+                                         ["--param", 'targets=["cpu", "edge"]'])
+        logs = "\n".join(w.log()[-4000:] for w in workers.values())
+        by_id = {r["id"]: r for r in flow_runs(api)}
+        for run_id in (cold_id, warm_id):
+            assert by_id[run_id]["state"]["type"] == "COMPLETED", f"{by_id[run_id]['state']}\n{logs}"
+            assert by_id[run_id]["work_pool_name"] == "cpu" and run_id in workers["cpu"].log()
+        builds = {pool: [r for r in by_id.values() if r["deployment_id"] == registered[f"smelter-build/{pool}"]["id"]]
+                  for pool in ("gpu-test", "gpu-nobody")}
+        assert len(builds["gpu-test"]) == 2 and all(r["state"]["type"] == "COMPLETED" for r in builds["gpu-test"])
+        assert all(r["id"] in workers["gpu-test"].log() for r in builds["gpu-test"]), "taken by the gpu-test worker"
+        (stranded,) = builds["gpu-nobody"]
+        assert stranded["state"]["type"] == "CANCELLED", stranded["state"]
     finally:
-        for worker in workers:
+        for worker in workers.values():
             worker.stop()
-    print(f"\nprefect deployment run -> completed: cold {cold_s:.1f} s, other pool (shared upstream cached) "
-          f"{edge_s:.1f} s, nothing changed {warm_s:.1f} s")
+    print(f"\nprefect deployment run -> completed, two pools and one without a worker "
+          f"(worker_timeout {WORKER_TIMEOUT_S} s): cold {cold_s:.1f} s; nothing changed, two pools {warm_s:.1f} s")
+
+    cold_parent, warm_parent = parent_runs(name)
+    children = child_runs(cold_parent.info.run_id)
+    assert set(children) == {f"{name}/fp32/cpu", f"{name}/fp32/edge"}, "a stranded pool logs nothing"
+    for target, pool in (("cpu", "cpu"), ("edge", "gpu-test")):
+        tags = children[f"{name}/fp32/{target}"].data.tags
+        assert tags["fleet.pool"] == pool and tags["status"] == "promoted" and tags["gate"] == "passed"
+        assert by_id[tags["fleet.flow_run_id"]]["work_pool_name"] == pool, "built by a flow run of its own pool"
+    description = cold_parent.data.tags["mlflow.note.content"]
+    assert f"| {name}/fp32/far | failed | - | no worker on pool gpu-nobody within {WORKER_TIMEOUT_S:g} s |" in description
+    assert {r.data.tags["status"] for r in child_runs(warm_parent.info.run_id).values()} == {"passed"}
 
     client = MlflowClient()
     champions = {t: client.get_model_version_by_alias(f"{name}-{t}", "champion") for t in ("cpu", "edge")}
     assert all(v.version == "1" for v in champions.values())
+    assert champions["edge"].run_id == children[f"{name}/fp32/edge"].info.run_id
+    assert not client.search_registered_models(f"name = '{name}-far'")
 
     def mlflow_deliveries() -> list[dict[str, Any]]:
         found = []
         for headers, body in recording_receiver.with_header("X-MLflow-Signature"):
             payload = json.loads(body)
-            if payload["data"].get("name") == f"{name}-cpu":
+            if payload["data"].get("name") == f"{name}-edge":
                 assert verify_signature(secret, headers, body), "MLflow's signature checks out with the synced secret"
                 found.append(payload)
         return found

@@ -1,0 +1,139 @@
+"""Fan-out and join without workers: the `fleet` settings, a candidate judged from its MLflow run alone,
+a pool no worker picks up, and one build per GPU."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks import gates, tracking
+from tasks.metrics import stage_metrics
+from tasks.spec import SpecError, load
+from tasks.store import ArtifactStore
+from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
+
+
+def _with_fleet(path: Path, fleet: object) -> Path:
+    document = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({"fleet": fleet, **document}, sort_keys=False))
+    return path
+
+
+def test_worker_timeout_defaults_to_ten_minutes_and_is_bounded(pipeline_factory, tiny_bert_dir):
+    path = pipeline_factory(tiny_bert_dir, "feature-extraction")
+    assert load(path).fleet.worker_timeout == 600
+    assert load(_with_fleet(path, {"worker_timeout": 30})).fleet.worker_timeout == 30
+    for bad, expected in (({"worker_timeout": 0}, "fleet.worker_timeout: Input should be greater than 0"),
+                          ({"worker_timeout": 1e9}, "fleet.worker_timeout: Input should be less than or equal"),
+                          ({"worker_timeout": "10m"}, "fleet.worker_timeout: Input should be a valid number"),
+                          ({"worker_timeot": 5}, "fleet.worker_timeot: unknown key"),
+                          ([5], "fleet: expected a mapping")):
+        with pytest.raises(SpecError) as raised:
+            load(_with_fleet(path, bad))
+        (problem,) = raised.value.problems
+        assert problem.startswith(f"{path}:1: ") and expected in problem, problem
+
+
+@pytest.mark.usefixtures("mlflow_server")
+def test_the_parent_judges_a_candidate_from_its_mlflow_run_alone(tmp_path: Path) -> None:
+    """What a build on another host hands back: its stage results rebuilt from MLflow, gated as if local."""
+    spec = pipeline_spec(f"join-{tmp_path.name[-8:]}".lower().replace("_", "-"))
+    worker_store, parent_store = ArtifactStore(tmp_path / "worker"), ArtifactStore(tmp_path / "parent")
+    built = candidate_outcome(worker_store, spec, "fp32", "cpu", throughput=400)
+    built.gates = []
+    broken = failed_outcome(worker_store, spec, "int8", "cpu")
+    with tracking.pipeline_run(spec, "join", params={}) as parent_run_id:
+        ids = {o.candidate.name: tracking.log_candidate(parent_run_id, spec, o, extra_tags={"fleet.pool": "gpu-x"})
+               for o in (built, broken)}
+        joined = tracking.candidate_outcomes(spec, parent_run_id, parent_store.root)
+
+    assert set(joined) == set(ids)
+    again = joined[built.candidate.name]
+    assert again.run_id == ids[built.candidate.name] and again.status == "passed"
+    assert {n: (s.key, s.cached, s.outputs) for n, s in again.stages.items()} == \
+        {n: (s.key, s.cached, s.outputs) for n, s in built.stages.items()}
+    assert stage_metrics(again.stages) == stage_metrics(built.stages)
+    validity = again.stages["accuracy"].outputs["validity"]
+    assert gates.evaluate(spec, stage_metrics(again.stages), validity, None) == \
+        gates.evaluate(spec, stage_metrics(built.stages), built.stages["accuracy"].outputs["validity"], None)
+    assert not again.stages["build"].path.exists(), "the parent's store does not have another host's build"
+    engine = tracking.engine_dir(again, tmp_path / "downloaded")
+    assert (engine / "model.onnx").read_bytes() == built.stages["build"].file("model.onnx").read_bytes()
+
+    failed = joined[broken.candidate.name]
+    assert (failed.status, failed.failed_stage, failed.error) == ("failed", "build", broken.error)
+    tags = tracking.MlflowClient().get_run(ids[built.candidate.name]).data.tags
+    assert tags["gate"] == "pending" and tags["fleet.pool"] == "gpu-x"
+
+
+def test_a_pool_without_a_worker_is_cancelled_after_worker_timeout(prefect_server, tmp_path: Path,
+                                                                   pipeline_factory, tiny_bert_dir) -> None:
+    from prefect.client.orchestration import get_client
+
+    from flows import deploy, fleet
+
+    path = pipeline_factory(tiny_bert_dir, "feature-extraction", name="lonely",
+                            targets=[{"name": "cpu", "backend": "onnxruntime"},
+                                     {"name": "far", "backend": "onnxruntime", "pool": "gpu-nobody"}])
+    specs = load(path)
+    plans = [p for p in deploy.plan(specs, str(path), str(tmp_path / "artifacts"), fan_out=True)
+             if p.flow_name == deploy.BUILD_FLOW]
+    assert [p.full_name for p in plans] == ["smelter-build/gpu-nobody"]
+    deploy.create_pools(["gpu-nobody"])
+    deploy.register(plans, str(tmp_path))
+
+    ran = fleet.dispatch("gpu-nobody", {"pipeline": "lonely", "targets": ["far"], "parent_run_id": "none"}, 2)
+    assert ran.failure == "no worker on pool gpu-nobody within 2 s"
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(ran.flow_run_id).state.is_cancelled()
+
+    missing = fleet.dispatch("gpu-elsewhere", {"pipeline": "lonely"}, 2)
+    assert missing.flow_run_id is None and "no deployment smelter-build/gpu-elsewhere" in missing.failure
+
+
+def _hold_together(count: int, gpus: list[str], hold: threading.Barrier | None) -> tuple[int, list[str]]:
+    """`count` threads each take a GPU slot; (most held at once, the GPUs they got)."""
+    from flows.fleet import gpu_slot
+
+    lock, inside, most, got = threading.Lock(), [0], [0], []
+    release = threading.Event()
+
+    def work() -> None:
+        with gpu_slot(True, gpus) as index:
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+                got.append(index)
+            if hold is not None:
+                hold.wait(timeout=120)
+            else:
+                release.wait(timeout=2)  # long enough for a second holder to get in, if the limit let it
+            with lock:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(work,)) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    return most[0], got
+
+
+def test_one_build_per_gpu_at_a_time(prefect_server) -> None:
+    most, got = _hold_together(2, ["7"], None)
+    assert (most, got) == (1, ["7", "7"])
+    both = threading.Barrier(2)
+    most, got = _hold_together(2, ["0", "1"], both)
+    assert most == 2 and sorted(got) == ["0", "1"] and not both.broken, "two GPUs: two builds at once, one on each"
+
+
+def test_a_gpu_target_on_a_host_without_gpus_says_so() -> None:
+    from flows.fleet import gpu_slot
+
+    with pytest.raises(RuntimeError, match="start this pool's worker on a GPU host"):
+        with gpu_slot(True, []):
+            pass
