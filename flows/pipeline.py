@@ -184,18 +184,23 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
     store.clean_temp(pipeline)
     memo = _Memo()
     where = fleet.placement_tags()
-    on_gpu = any(spec.target(t).device_kind == "gpu" for t in targets)
-    with fleet.gpu_slot(on_gpu) as gpu:
-        if gpu is not None:
-            where["fleet.gpu"] = gpu
-        outcomes = [build_candidate(spec, c, store, memo, force) for c in candidates]
-        for target in targets:
-            benchmark_target(spec, target, outcomes, tracking.champion(spec, target), store, force)
+    outcomes, gpus = [], {}
+    for on_gpu in (False, True):
+        group = [t for t in targets if (spec.target(t).device_kind == "gpu") == on_gpu]
+        if not group:
+            continue
+        with fleet.gpu_slot(on_gpu) as gpu:
+            built = [build_candidate(spec, c, store, memo, force) for c in candidates if c.target in group]
+            for target in group:
+                benchmark_target(spec, target, built, tracking.champion(spec, target), store, force)
+        outcomes += built
+        gpus |= {t: gpu for t in group if gpu is not None}
     run_ids = []
     for outcome in outcomes:
+        gpu = gpus.get(outcome.candidate.target)
         try:
             run_ids.append(track_task.with_options(task_run_name=f"{outcome.candidate.name}/track")(
-                parent_run_id, spec, outcome, where))
+                parent_run_id, spec, outcome, where | ({"fleet.gpu": gpu} if gpu else {})))
         except Exception as e:  # noqa: BLE001 - the parent finds no run for it and fails it; the others go on
             progress.stage_failed(outcome.candidate.name, "track", f"{type(e).__name__}: {e}")
     return run_ids

@@ -4,6 +4,7 @@ a pool no worker picks up, and one build per GPU."""
 from __future__ import annotations
 
 import contextvars
+import re
 import threading
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipelin
 
 def _with_fleet(path: Path, fleet: object) -> Path:
     document = yaml.safe_load(path.read_text())
+    document.pop("fleet", None)
     path.write_text(yaml.safe_dump({"fleet": fleet, **document}, sort_keys=False))
     return path
 
@@ -35,7 +37,7 @@ def test_worker_timeout_defaults_to_ten_minutes_and_is_bounded(pipeline_factory,
         with pytest.raises(SpecError) as raised:
             load(_with_fleet(path, bad))
         (problem,) = raised.value.problems
-        assert problem.startswith(f"{path}:1: ") and expected in problem, problem
+        assert re.match(rf"{re.escape(str(path))}:[12]: ", problem) and expected in problem, problem
 
 
 @pytest.mark.usefixtures("mlflow_server")
@@ -131,9 +133,8 @@ def test_one_build_per_gpu_at_a_time(prefect_server) -> None:
     assert most == 2 and sorted(got) == ["0", "1"] and not both.broken, "two GPUs: two builds at once, one on each"
 
 
-def test_a_gpu_target_on_a_host_without_gpus_says_so() -> None:
+def test_a_host_without_gpus_holds_no_slot_and_leaves_the_error_to_the_stage() -> None:
     from flows.fleet import gpu_slot
 
-    with pytest.raises(RuntimeError, match="start this pool's worker on a GPU host"):
-        with gpu_slot(True, []):
-            pass
+    with gpu_slot(True, []) as index:
+        assert index is None
