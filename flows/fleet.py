@@ -66,8 +66,7 @@ def dispatch(pool: str, parameters: dict[str, Any], worker_timeout: float) -> Po
 
     name = build_deployment(pool)
     try:
-        started = run_deployment(name, parameters=parameters, timeout=0,
-                                 flow_run_name=f"{parameters['pipeline']}@{pool}")
+        started = run_deployment(name, parameters=parameters, timeout=0)
     except ObjectNotFound:
         return PoolRun(pool, None, f"no deployment {name}: register it with `smelter deploy --pools`")
     deadline = time.monotonic() + worker_timeout
@@ -90,28 +89,28 @@ def dispatch(pool: str, parameters: dict[str, Any], worker_timeout: float) -> Po
 
 
 def placement_tags() -> dict[str, str]:
-    """Where a candidate was built, as tags on its MLflow run: host, work pool and Prefect flow run."""
+    """Where a candidate was built, as tags on its MLflow run: the host, and the work pool and flow run a
+    worker took (for a build run in-process, the run it is nested in)."""
     from prefect.runtime import flow_run
 
     tags = {"fleet.host": socket.gethostname()}
-    run_id = flow_run.get_id()
-    if run_id:
-        tags["fleet.flow_run_id"] = str(run_id)
-        pool = _work_pool(run_id)
+    if run_id := flow_run.get_id():
+        taken_id, pool = _taken_run(str(run_id))
+        tags["fleet.flow_run_id"] = taken_id
         if pool:
             tags["fleet.pool"] = pool
     return tags
 
 
-def _work_pool(flow_run_id: str) -> str | None:
-    """The work pool of this flow run, or of the flow run it is nested in (a subflow has none of its own)."""
+def _taken_run(flow_run_id: str) -> tuple[str, str | None]:
+    """(flow run id, work pool) of the run a worker took: this one, or the one it is nested in."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(flow_run_id)
         while run.work_pool_name is None and run.parent_task_run_id is not None:
             run = client.read_flow_run(client.read_task_run(run.parent_task_run_id).flow_run_id)
-        return run.work_pool_name
+        return str(run.id), run.work_pool_name
 
 
 def host_gpus() -> list[str]:

@@ -122,7 +122,7 @@ def gate_task(spec: PipelineSpec, outcome: CandidateOutcome, previous: dict[str,
     return outcome
 
 
-def _judge_and_track(spec: PipelineSpec, outcome: CandidateOutcome, parent_run_id: str) -> CandidateOutcome:
+def _judge_and_track(spec: PipelineSpec, outcome: CandidateOutcome) -> CandidateOutcome:
     """Gate (unless a stage failed) a candidate its build already logged, and record the verdict on its
     run; tasks hand back new objects, so keep what they return."""
     name = outcome.candidate.name
@@ -166,7 +166,8 @@ def package_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> int:
 def _with_engine_here(outcome: CandidateOutcome, engines: Path) -> CandidateOutcome:
     """A promoted TensorRT candidate built on another host, with its engine downloaded from its run."""
     build = outcome.stages.get("build")
-    if outcome.status != "promoted" or build is None or build.outputs.get("backend") != "tensorrt" or build.path.is_dir():
+    remote_engine = build is not None and build.outputs.get("backend") == "tensorrt" and not build.path.is_dir()
+    if outcome.status != "promoted" or not remote_engine:
         return outcome
     here = tracking.engine_dir(outcome, engines / outcome.run_id)
     return dataclasses.replace(outcome, stages=outcome.stages | {"build": dataclasses.replace(build, path=here)})
@@ -271,7 +272,7 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
                             "artifacts": artifacts, "allow_outside_paths": allow_outside_paths}
         missing = _build_everywhere(specs, spec, chosen, parent_run_id, build_parameters, pool)
         outcomes = _joined(spec, candidates, parent_run_id, store, missing)
-        outcomes = [_judge_and_track(spec, o, parent_run_id) if o.run_id else o for o in outcomes]
+        outcomes = [_judge_and_track(spec, o) if o.run_id else o for o in outcomes]
         outcomes = decide.decide(spec, outcomes, champions)
         try:
             outcomes = promote_task(spec, outcomes)
