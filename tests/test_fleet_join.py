@@ -138,3 +138,27 @@ def test_a_host_without_gpus_holds_no_slot_and_leaves_the_error_to_the_stage() -
 
     with gpu_slot(True, []) as index:
         assert index is None
+
+
+@pytest.mark.usefixtures("mlflow_server")
+def test_a_pool_that_cannot_build_fails_its_candidates_and_the_rest_is_promoted(
+        prefect_server, tmp_path: Path, pipeline_factory, tiny_bert_dir) -> None:
+    """The parent on pool cpu: its own target built in-process and joined through MLflow; the other
+    pool has no build deployment, so its candidate fails with the reason and the alias still moves."""
+    from flows.pipeline import pipeline_flow
+
+    name = f"half-{tmp_path.name[-6:]}".lower().replace("_", "-")
+    path = pipeline_factory(tiny_bert_dir, "feature-extraction", name=name,
+                            targets=[{"name": "cpu", "backend": "onnxruntime", "threads": 1},
+                                     {"name": "far", "backend": "onnxruntime", "threads": 1, "pool": "gpu-unregistered"}],
+                            accuracy={"gates": {"cosine_mean": {"min": 0.9}}},
+                            performance={"gates": {"p99_ms": {"max": 60000}}})
+    summaries = {s["target"]: s for s in pipeline_flow(str(path), name, artifacts=str(tmp_path / "artifacts"),
+                                                       pool="cpu")}
+    assert summaries["far"]["status"] == "failed"
+    assert summaries["far"]["error"] == ("no deployment smelter-build/gpu-unregistered: "
+                                         "register it with `smelter deploy --pools`")
+    assert summaries["far"]["mlflow_run_id"] is None
+    assert summaries["cpu"]["status"] == "promoted" and summaries["cpu"]["model_version"] == "1"
+    tags = tracking.MlflowClient().get_run(summaries["cpu"]["mlflow_run_id"]).data.tags
+    assert tags["gate"] == "passed" and tags["status"] == "promoted" and tags["fleet.host"]
