@@ -29,6 +29,7 @@ from tasks.spec import PipelineSpec
 POLL_S = 2.0
 GPU_SLOT_RETRY_S = 5.0
 GPU_LIMIT_PREFIX = "gpu"
+WORKER_NAME_ENV = "PREFECT__WORKER_NAME"  # set by a Prefect worker in the flow-run processes it starts
 
 
 def split_by_pool(spec: PipelineSpec, targets: list[str], here: str | None) -> tuple[list[str], dict[str, list[str]]]:
@@ -89,11 +90,13 @@ def dispatch(pool: str, parameters: dict[str, Any], worker_timeout: float) -> Po
 
 
 def placement_tags() -> dict[str, str]:
-    """Where a candidate was built, as tags on its MLflow run: the host, and the work pool and flow run a
-    worker took (for a build run in-process, the run it is nested in)."""
+    """Where a candidate was built, as tags on its MLflow run: the host, the worker, and the work pool and
+    flow run that worker took (for a build run in-process, the run it is nested in)."""
     from prefect.runtime import flow_run
 
     tags = {"fleet.host": socket.gethostname()}
+    if worker := os.environ.get(WORKER_NAME_ENV):
+        tags["fleet.worker"] = worker
     if run_id := flow_run.get_id():
         taken_id, pool = _taken_run(str(run_id))
         tags["fleet.flow_run_id"] = taken_id

@@ -161,7 +161,8 @@ def test_a_deployed_run_fans_out_to_each_pool_joins_in_mlflow_and_promotes_once(
     assert set(children) == {f"{name}/fp32/cpu", f"{name}/fp32/edge"}, "a stranded pool logs nothing"
     for target, pool in (("cpu", "cpu"), ("edge", "gpu-test")):
         tags = children[f"{name}/fp32/{target}"].data.tags
-        assert tags["fleet.pool"] == pool and tags["status"] == "promoted" and tags["gate"] == "passed"
+        assert tags["fleet.pool"] == pool and tags["fleet.worker"] == f"worker-{pool}"
+        assert tags["status"] == "promoted" and tags["gate"] == "passed"
         assert by_id[tags["fleet.flow_run_id"]]["work_pool_name"] == pool, "built by a flow run of its own pool"
         assert tags["fleet.flow_run_id"] in workers[pool].log(), f"taken by the {pool} worker"
     description = cold_parent.data.tags["mlflow.note.content"]
