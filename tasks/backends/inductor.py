@@ -136,8 +136,7 @@ def export_decode(model: torch.nn.Module, dtype: torch.dtype) -> torch.export.Ex
 def _compile_options(target: InductorTarget, graphs: bool) -> dict[str, Any]:
     """Inductor options for the target's compile mode; CUDA graphs only where asked and on the decode step."""
     autotune = target.compile_mode.startswith("max-autotune")
-    return {"max_autotune": autotune, "coordinate_descent_tuning": autotune,
-            "triton.cudagraphs": graphs and target.device == "cuda"}
+    return {"max_autotune": autotune, "triton.cudagraphs": graphs and target.device == "cuda"}
 
 
 class _CachedStep(torch.nn.Module):
@@ -254,10 +253,13 @@ def _decoder_config(config: Any) -> dict[str, int]:
 
 
 def warm_shapes(profiles: list[ProfileSpec]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """What a build compiles ahead: the prefill at each profile's opt (batch, seq); decode at each
-    profile's min and max batch with a cache of its max past plus max new tokens."""
-    prefill = sorted({(p.batch[1], p.seq[1]) for p in profiles})
-    decode = sorted({(b, (p.past[2] if p.past else 0) + p.seq[2]) for p in profiles for b in (p.batch[0], p.batch[2])})
+    """What a build compiles ahead. Prefill: each prompt profile's opt (batch, seq), a prompt profile
+    being one without `past` (all profiles if none is). Decode: each profile with `past`, at its min
+    and max batch, with a cache of its max past plus its max new tokens."""
+    prompt = [p for p in profiles if p.past is None] or profiles
+    prefill = sorted({(p.batch[1], p.seq[1]) for p in prompt})
+    decode = sorted({(b, p.past[2] + p.seq[2]) for p in profiles if p.past is not None
+                     for b in (p.batch[0], p.batch[2])})
     return prefill, decode
 
 
