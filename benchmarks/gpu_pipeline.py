@@ -6,7 +6,8 @@ engines, with eager fp32 and bf16 references on the same GPU. Everything is time
 and outputs on the device, CUDA events around each call. The bf16 matrix-product ceiling and the
 copy bandwidth are measured first, and each figure is also given as a fraction of its bound.
 
-Usage: python -m benchmarks.gpu_pipeline --out benchmarks/results/h200.json [--quick]
+Usage: python -m benchmarks.gpu_pipeline --out benchmarks/results/h200.json [--sections decoder,encoder]
+       [--append] [--quick]
 (--quick: a 2-layer model, to check the script in a minute). Writes the JSON after each section,
 so a run stopped early keeps what it measured.
 """
@@ -120,7 +121,7 @@ def warm_start(engine: Path, target: dict[str, Any], batch: int, seq: int, decod
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-warm-")}
     out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_pipeline", "--warm-start", str(engine),
                           "--target", json.dumps(target), "--shape", json.dumps([batch, seq, decode])],
-                         capture_output=True, text=True, env=env, timeout=900)
+                         capture_output=True, text=True, env=env, timeout=600)
     if out.returncode != 0:
         return {"error": out.stderr[-3000:]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -315,10 +316,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200.json"))
     parser.add_argument("--quick", action="store_true", help="2-layer models: check the script, not the GPU")
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--check-batches", type=int, default=16, help="8-prompt batches for the top-1 check")
     parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     parser.add_argument("--sections", default="decoder,encoder")
+    parser.add_argument("--append", action="store_true",
+                        help="add these sections to an existing --out (each run's command, date and ceilings kept)")
     parser.add_argument("--warm-start", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
@@ -330,12 +333,15 @@ def main() -> None:
         sys.exit("gpu_pipeline needs a CUDA GPU; this torch sees none")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cold-"))
     gpu = detect_gpu()
-    report = Report(args.out, {"command": " ".join(["python -m benchmarks.gpu_pipeline", *sys.argv[1:]]),
-                               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                               "gpu": gpu.facts() if gpu else None, "versions": versions(),
+    run = {"command": " ".join(["python -m benchmarks.gpu_pipeline", *sys.argv[1:]]),
+           "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "sections": args.sections, "ceilings": {"gemm_bf16": gm.gemm_ceiling(), "copy": gm.copy_bandwidth()}}
+    previous = json.loads(args.out.read_text()) if args.append and args.out.is_file() else {}
+    report = Report(args.out, {**previous, "gpu": gpu.facts() if gpu else None, "versions": versions(),
                                "timing": "inputs and outputs device-resident on both sides; CUDA events per call; "
                                          "median with p10/p90 over repeats after warm-up"})
-    report.add("ceilings", {"gemm_bf16": gm.gemm_ceiling(), "copy": gm.copy_bandwidth()})
+    report.add("runs", [*previous.get("runs", []), run])
+    report.add("ceilings", run["ceilings"])
     with tempfile.TemporaryDirectory(prefix="gpu-pipeline-") as tmp:
         for name in args.sections.split(","):
             started = time.perf_counter()
