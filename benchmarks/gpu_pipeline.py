@@ -247,6 +247,42 @@ def decoder_summary(section: dict[str, Any], batch: int, seq: int, decode_batche
     return out
 
 
+def decode_step_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
+    """The decode-step graph alone (the engine's own export and session code, no prefill build, no
+    save): for checking a change to the step in a minute and a half instead of a full build."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.backends.inductor import DecodeSession, _compile_options, export_decode
+
+    config = QUICK_LLAMA if args.quick else LLAMA_32_1B
+    past, max_len = 512, 528
+    cfg = LlamaConfig(**config)
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    shape = gm.DecoderShape.from_config(cfg)
+    target = InductorTarget(name="sm90", backend="inductor", device="cuda", arch=detect_gpu().arch)
+    step = export_decode(model, torch.bfloat16).module()
+    section: dict[str, Any] = {"past": past, "cache_len": max_len}
+    for b in (1, 64):
+        started = time.perf_counter()
+        session = DecodeSession(step, cfg, b, max_len, torch.bfloat16, "cuda")
+        session.compile(_compile_options(target, decode=True))
+        token = torch.randint(0, cfg.vocab_size, (b, 1), device="cuda")
+        for pos in range(3):
+            session.step(token, pos)
+        compile_s = time.perf_counter() - started
+        figures = timed(lambda: session.step(token, past), 5, args.repeats)
+        bound = gm.bytes_bound_ms(shape.decode_bytes(b, past, 2), ceilings["copy"]["tb_per_s"])
+        section[f"decode_b{b}"] = {**figures, "compile_s": round(compile_s, 1), "bytes_bound_ms": round(bound, 4),
+                                   "times_bytes_bound": round(figures["median_ms"] / bound, 2),
+                                   "tokens_per_s": round(b / figures["median_ms"] * 1e3)}
+        del session
+    report.add("decode_step", section)
+    print(f"decode step alone: {json.dumps(section)}")
+
+
 def encoder_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
     from transformers import BertConfig
 
@@ -341,12 +377,12 @@ def main() -> None:
                                "timing": "inputs and outputs device-resident on both sides; CUDA events per call; "
                                          "median with p10/p90 over repeats after warm-up"})
     report.add("runs", [*previous.get("runs", []), run])
-    report.add("ceilings", run["ceilings"])
+    report.add("ceilings", previous.get("ceilings", run["ceilings"]))
     with tempfile.TemporaryDirectory(prefix="gpu-pipeline-") as tmp:
         for name in args.sections.split(","):
             started = time.perf_counter()
             try:
-                {"decoder": decoder_section, "encoder": encoder_section}[name](
+                {"decoder": decoder_section, "encoder": encoder_section, "decode_step": decode_step_section}[name](
                     args, Path(tmp), report.data["ceilings"], report)
             except Exception as e:  # keep what the other section measured; say what failed
                 import traceback

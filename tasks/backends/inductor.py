@@ -127,7 +127,7 @@ def export_decode(model: torch.nn.Module, dtype: torch.dtype) -> torch.export.Ex
     k, v = empty_cache(model.config, 2, 32, dtype, device)
     tokens = torch.zeros(2, 1, dtype=torch.long, device=device)
     auto = torch.export.Dim.AUTO
-    cache_dims = {1: auto, 3: auto}
+    cache_dims = [{0: auto, 2: auto} for _ in k]
     with torch.no_grad():
         return torch.export.export(step, (tokens, torch.tensor(3, device=device), k, v),
                                    dynamic_shapes=({0: auto}, None, cache_dims, cache_dims), strict=False)
@@ -145,16 +145,18 @@ def _compile_options(target: InductorTarget, decode: bool) -> dict[str, Any]:
 class _CachedStep(torch.nn.Module):
     """The decode step with its KV cache at fixed addresses, which CUDA-graph replay needs."""
 
-    def __init__(self, step: torch.nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    def __init__(self, step: torch.nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
         super().__init__()
         self.step = step
-        self.register_buffer("k_cache", k_cache)
-        self.register_buffer("v_cache", v_cache)
-        torch._dynamo.mark_static_address(self.k_cache)
-        torch._dynamo.mark_static_address(self.v_cache)
+        for name, caches in (("k", k_caches), ("v", v_caches)):
+            for i, cache in enumerate(caches):
+                self.register_buffer(f"{name}{i}", cache)
+                torch._dynamo.mark_static_address(cache)
+        self.layers = len(k_caches)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.step(tokens, pos, self.k_cache, self.v_cache)
+        return self.step(tokens, pos, [getattr(self, f"k{i}") for i in range(self.layers)],
+                         [getattr(self, f"v{i}") for i in range(self.layers)])
 
 
 class DecodeSession:

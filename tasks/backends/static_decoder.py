@@ -2,9 +2,10 @@
 
 Built from the HF model's own weights, so it computes the same function, laid out for a step that
 is bound by reading the weights: the q, k and v projections are one matrix, and so are gate and
-up, so each layer reads its weights in four products instead of seven. The cache is passed in
-(shape [layers, batch, kv_heads, max_len, head_dim]) and written in place at `pos`, so one
-exported graph serves every batch size and cache length, and a caller that keeps the cache at a
+up, so each layer reads its weights in four products instead of seven. The cache is passed in,
+one K and one V tensor per layer (each [batch, kv_heads, max_len, head_dim]: slices of one big
+tensor would make every layer's write a scatter into the whole cache), and written in place at
+`pos`, so one exported graph serves every batch size and cache length, and a caller that keeps the cache at a
 fixed address can replay the step with CUDA graphs. Every row of the batch is at the same `pos`.
 """
 
@@ -51,16 +52,16 @@ class StaticDecoder(nn.Module):
         self.layers = nn.ModuleList(_Layer(layer, self.heads, self.kv_heads, self.head_dim, self.eps)
                                     for layer in body.layers)
 
-    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, k_caches: list[torch.Tensor],
+                v_caches: list[torch.Tensor]) -> torch.Tensor:
         x = F.embedding(tokens[:, 0], self.embed)
         freqs = pos.float() * self.inv_freq
         angles = torch.cat([freqs, freqs])
         cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
-        positions = torch.arange(k_cache.shape[3], device=tokens.device)
+        positions = torch.arange(k_caches[0].shape[2], device=tokens.device)
         mask = torch.where(positions <= pos, 0.0, float("-inf")).to(torch.float32)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos.to(x.dtype), sin.to(x.dtype), pos, mask, k_cache[i], v_cache[i])
+            x = layer(x, cos.to(x.dtype), sin.to(x.dtype), pos, mask, k_caches[i], v_caches[i])
         return F.linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
 
 
@@ -114,10 +115,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def empty_cache(model_config: Any, batch: int, max_len: int, dtype: torch.dtype,
-                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V caches for `batch` sequences of up to `max_len` tokens, filled with random values, not zeros."""
+                device: torch.device | str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer K and V caches for `batch` sequences of up to `max_len` tokens, random values, not zeros."""
     heads = model_config.num_attention_heads
     kv_heads = model_config.num_key_value_heads or heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    shape = (model_config.num_hidden_layers, batch, kv_heads, max_len, head_dim)
-    return (torch.randn(shape, dtype=dtype, device=device) * 0.1, torch.randn(shape, dtype=dtype, device=device) * 0.1)
+    shape = (batch, kv_heads, max_len, head_dim)
+
+    def layers() -> list[torch.Tensor]:
+        return [torch.randn(shape, dtype=dtype, device=device) * 0.1 for _ in range(model_config.num_hidden_layers)]
+    return layers(), layers()
