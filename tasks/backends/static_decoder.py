@@ -5,8 +5,8 @@ is bound by reading the weights: the q, k and v projections are one matrix, and 
 up, so each layer reads its weights in four products instead of seven. The cache is passed in,
 one K and one V tensor per layer (each [batch, kv_heads, max_len, head_dim]: slices of one big
 tensor would make every layer's write a scatter into the whole cache), and written in place at
-`pos`, so one exported graph serves every batch size and cache length, and a caller that keeps the cache at a
-fixed address can replay the step with CUDA graphs. Every row of the batch is at the same `pos`.
+`pos`, so one exported graph serves every batch size and cache length, and a caller that keeps
+the cache at fixed addresses can replay the step with CUDA graphs. Every row is at the same `pos`.
 """
 
 from __future__ import annotations
