@@ -339,7 +339,8 @@ def print_table(data: dict[str, Any]) -> None:
             print(f"  {who:<12} " + "  ".join(f"{k}={v}" for k, v in row.items()))
         print(f"  engine top1 prefill {dec['engine']['top1_vs_fp32']}, decode {dec['engine'].get('decode_top1_vs_fp32')}; "
               f"eager bf16 top1 {dec['eager']['eager_bf16']['top1_vs_fp32']}")
-        print(f"  build {json.dumps({k: dec['engine_build'].get(k) for k in ('export_seconds', 'compile_seconds', 'cold_build_s', 'cache_bytes', 'engine_bytes')})}")
+        build = ("export_seconds", "compile_seconds", "cold_build_s", "cache_bytes", "engine_bytes")
+        print(f"  build {json.dumps({k: dec['engine_build'].get(k) for k in build})}")
         print(f"  warm start {json.dumps(dec.get('warm_start'))}")
     enc = data.get("encoder", {})
     if "engine_bf16" in enc:

@@ -56,7 +56,8 @@ def load_problem(sidecar: dict[str, Any], gpu: GpuInfo | None, here: dict[str, s
     """Why this machine must not load the engine `sidecar` describes, or None."""
     built_on = sidecar.get("gpu")
     if built_on:
-        where = f"built for {built_on['arch']} ({built_on['gpu_name']}, compute capability {built_on['compute_capability']})"
+        where = (f"built for {built_on['arch']} ({built_on['gpu_name']}, "
+                 f"compute capability {built_on['compute_capability']})")
         if gpu is None:
             return f"inductor engine {where} needs that GPU; no CUDA GPU is visible here"
         if gpu.cc != built_on["compute_capability"]:
@@ -114,7 +115,8 @@ def export_prefill(model: torch.nn.Module, causal: bool, batch: int, seq: int) -
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
     with torch.no_grad():
-        return torch.export.export(PrefillGraph(model, causal), (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+        feeds = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        return torch.export.export(PrefillGraph(model, causal), (), feeds,
                                    dynamic_shapes={"input_ids": auto, "attention_mask": auto}, strict=False)
 
 
