@@ -91,7 +91,8 @@ class _Layer(nn.Module):
         k_cache.index_copy_(2, pos.view(1), k.view(batch, kvh, 1, d))
         v_cache.index_copy_(2, pos.view(1), v.view(batch, kvh, 1, d))
         # The query heads that share a KV head form one small matrix, so each KV head's cache is read
-        # once by a batched product (written as products and sums it ran 12x slower at batch 64).
+        # once by a batched product. (Written as fused products and sums instead, batch 64 measured
+        # 9.8 ms against this 14.7 ms, but in another run on which eager moved as much: undecided.)
         grouped = q.view(batch, kvh, h // kvh, d)
         scores = torch.matmul(grouped, k_cache.transpose(-1, -2)).float() * (d ** -0.5) + mask
         weights = torch.softmax(scores, dim=-1).to(x.dtype)
