@@ -7,8 +7,9 @@ each candidate as a child MLflow run of the parent's run; the parent joins by re
 flow run no worker picks up within `fleet.worker_timeout` is cancelled and its candidates fail with
 that reason; the other pools go on.
 
-On a GPU host, a build holds a Prefect global concurrency limit `gpu:<host>:<index>` (limit 1) for
-the GPU it uses and sees only that GPU, so two builds never share one, whatever the worker's limit.
+On a GPU host, a build holds a Prefect global concurrency limit `gpu:<host>:<index>` (limit 1,
+nvidia-smi's index) for the GPU it uses and sees only that GPU, so two builds never share one,
+whatever the worker's limit.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flows.deploy import BUILD_FLOW, pool_of
+from tasks import gpu
 from tasks.spec import PipelineSpec
 
 POLL_S = 2.0
@@ -116,15 +118,24 @@ def _taken_run(flow_run_id: str) -> tuple[str, str | None]:
         return str(run.id), run.work_pool_name
 
 
-def host_gpus() -> list[str]:
-    """The GPU indices this process may use: CUDA_VISIBLE_DEVICES when set, else every GPU nvidia-smi lists."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip()]
-    if shutil.which("nvidia-smi") is None:
+def host_gpus() -> list[tuple[str, str]]:
+    """(nvidia-smi index, UUID) of each GPU this process may use (see `usable_gpus`); none without nvidia-smi."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
         return []
-    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    return [str(i) for i, line in enumerate(listed.stdout.splitlines()) if line.startswith("GPU ")]
+    listed = gpu.parse_smi_rows(subprocess.run([smi, f"--query-gpu={gpu.SMI_FIELDS}", "--format=csv,noheader,nounits"],
+                                               capture_output=True, text=True, timeout=30, check=True).stdout)
+    return usable_gpus(listed, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"))
+
+
+def usable_gpus(listed: list[gpu.GpuInfo], visible: str | None, order: str | None) -> list[tuple[str, str]]:
+    """The GPUs CUDA would give this process, in its order, each as (nvidia-smi index, UUID).
+
+    nvidia-smi's index names a GPU the same way in every process of the host, whatever each one's
+    CUDA_VISIBLE_DEVICES says, so it is what the per-GPU limits are named by.
+    """
+    physical = {g.uuid: str(g.index) for g in listed}
+    return [(physical[g.uuid], g.uuid) for g in gpu.apply_visible(gpu.cuda_order(listed, order), visible)]
 
 
 def gpu_limit_name(host: str, index: str) -> str:
@@ -132,11 +143,13 @@ def gpu_limit_name(host: str, index: str) -> str:
 
 
 @contextlib.contextmanager
-def gpu_slot(needed: bool, gpus: list[str] | None = None) -> Iterator[str | None]:
-    """Hold one of this host's GPUs for the block (yields its index; None when no GPU is needed or there is none).
+def gpu_slot(needed: bool, gpus: list[tuple[str, str]] | None = None) -> Iterator[str | None]:
+    """Hold one of this host's GPUs for the block (yields its nvidia-smi index; None when no GPU is needed
+    or there is none).
 
     Each GPU has its own global concurrency limit of 1, created on first use; the block waits until
-    one is free, then sees only that GPU (CUDA_VISIBLE_DEVICES), so two builds never share one.
+    one is free, then sees only that GPU (CUDA_VISIBLE_DEVICES set to its UUID before any CUDA call of
+    this flow-run process), so two builds never share one. `gpus` as `host_gpus` returns them.
     """
     if not needed:
         yield None
@@ -146,28 +159,28 @@ def gpu_slot(needed: bool, gpus: list[str] | None = None) -> Iterator[str | None
         yield None
         return
     host = socket.gethostname()
-    names = [gpu_limit_name(host, index) for index in gpus]
+    names = [gpu_limit_name(host, index) for index, _ in gpus]
     _ensure_limits(names)
     from prefect.concurrency.sync import concurrency
 
     while True:
-        for index, name in zip(gpus, names):
+        for (index, uuid), name in zip(gpus, names):
             held = contextlib.ExitStack()
             try:
                 held.enter_context(concurrency(name, occupy=1, timeout_seconds=1, strict=True,
                                                 raise_on_lease_renewal_failure=False))
             except TimeoutError:
                 continue
-            with held, _only_gpu(index):
+            with held, _only_gpu(uuid):
                 yield index
             return
         time.sleep(GPU_SLOT_RETRY_S)
 
 
 @contextlib.contextmanager
-def _only_gpu(index: str) -> Iterator[None]:
+def _only_gpu(uuid: str) -> Iterator[None]:
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = index
+    os.environ["CUDA_VISIBLE_DEVICES"] = uuid
     try:
         yield
     finally:

@@ -97,7 +97,7 @@ def test_a_pool_without_a_worker_is_cancelled_after_worker_timeout(prefect_serve
     assert missing.flow_run_id is None and "no deployment smelter-build/gpu-elsewhere" in missing.failure
 
 
-def _hold_together(count: int, gpus: list[str], hold: threading.Barrier | None) -> tuple[int, list[str]]:
+def _hold_together(count: int, gpus: list[tuple[str, str]], hold: threading.Barrier | None) -> tuple[int, list[str]]:
     """`count` threads each take a GPU slot; (most held at once, the GPUs they got)."""
     from flows.fleet import gpu_slot
 
@@ -126,11 +126,23 @@ def _hold_together(count: int, gpus: list[str], hold: threading.Barrier | None) 
 
 
 def test_one_build_per_gpu_at_a_time(prefect_server) -> None:
-    most, got = _hold_together(2, ["7"], None)
+    most, got = _hold_together(2, [("7", "GPU-seven")], None)
     assert (most, got) == (1, ["7", "7"])
     both = threading.Barrier(2)
-    most, got = _hold_together(2, ["0", "1"], both)
+    most, got = _hold_together(2, [("0", "GPU-zero"), ("1", "GPU-one")], both)
     assert most == 2 and sorted(got) == ["0", "1"] and not both.broken, "two GPUs: two builds at once, one on each"
+
+
+def test_a_gpu_is_named_as_nvidia_smi_names_it_whatever_cuda_visible_devices_says() -> None:
+    from flows.fleet import usable_gpus
+    from tasks.gpu import parse_smi_rows
+
+    listed = parse_smi_rows("0, GPU-a100, 00000000:01:00.0, A100, 8.0, 550.1, 81920\n"
+                            "1, GPU-h100, 00000000:02:00.0, H100, 9.0, 550.1, 81920\n")
+    assert usable_gpus(listed, None, None) == [("1", "GPU-h100"), ("0", "GPU-a100")], "CUDA: fastest first"
+    assert usable_gpus(listed, "0", None) == [("1", "GPU-h100")]
+    assert usable_gpus(listed, "0", "PCI_BUS_ID") == [("0", "GPU-a100")]
+    assert usable_gpus(listed, "GPU-a100", None) == [("0", "GPU-a100")]
 
 
 def test_a_host_without_gpus_holds_no_slot_and_leaves_the_error_to_the_stage() -> None:
