@@ -162,7 +162,8 @@ def test_a_pool_that_cannot_build_fails_its_candidates_and_the_rest_is_promoted(
     name = f"half-{tmp_path.name[-6:]}".lower().replace("_", "-")
     path = pipeline_factory(tiny_bert_dir, "feature-extraction", name=name,
                             targets=[{"name": "cpu", "backend": "onnxruntime", "threads": 1},
-                                     {"name": "far", "backend": "onnxruntime", "threads": 1, "pool": "gpu-unregistered"}],
+                                     {"name": "far", "backend": "onnxruntime", "threads": 1,
+                                      "pool": "gpu-unregistered"}],
                             accuracy={"gates": {"cosine_mean": {"min": 0.9}}},
                             performance={"gates": {"p99_ms": {"max": 60000}}})
     summaries = {s["target"]: s for s in pipeline_flow(str(path), name, artifacts=str(tmp_path / "artifacts"),
