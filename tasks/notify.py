@@ -14,7 +14,8 @@ id kept on every retry) in ONE tag write, before the alias moves. Delivery state
 
 Every run and `smelter notify --retry` reconcile each registered model under its promotion lock
 (tasks/locks.py): an event counts as a real promotion when the alias reached its version (the alias
-is on it now, or the next event was recorded while the alias was on it); the alias's version gets
+is on it now, the next event was recorded while the alias was on it, or a delivery was attempted);
+the alias's version gets
 an event when its promotion has none (a run killed between record and alias, an alias moved by
 hand), then every pending delivery is sent, oldest first. A run killed after a send but before the
 record says `delivered` sends it again with the same delivery id, so a receiver drops duplicates.
@@ -235,8 +236,8 @@ def _reached_alias(entries: list[_Entry], alias_version: str | None) -> list[boo
     """Whether each entry's promotion happened: the alias reached its version (see the module docstring)."""
     reached = []
     for i, entry in enumerate(entries):
-        if entry.record.get("migrated"):
-            reached.append(True)
+        if entry.record.get("migrated") or any(d["attempts"] for d in entry.record["deliveries"]):
+            reached.append(True)  # sending starts only once the alias is on the version
         elif i + 1 < len(entries):
             reached.append(entries[i + 1].record.get("previous") == entry.version)
         else:
@@ -291,7 +292,7 @@ def _settle(spec: PipelineSpec, registered_model: str, backoff_s: float) -> list
             hook = hooks.get(delivery["url"])
             if not happened:
                 status, attempts, error = "abandoned", 0, "the run stopped before the alias moved: nothing was promoted"
-            elif entry.record.get("recorded_at", "") < too_old:
+            elif "" < entry.record.get("recorded_at", "") < too_old:
                 status, attempts, error = "abandoned", 0, f"still pending after {MAX_PENDING_DAYS} days"
             elif hook is None:
                 status, attempts, error = "abandoned", 0, "this webhook is no longer in pipelines.yaml"

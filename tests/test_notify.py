@@ -216,14 +216,15 @@ def test_an_event_whose_alias_never_moved_is_abandoned_and_the_alias_holder_keep
     store = ArtifactStore(tmp_path)
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
     _promoted(spec, first)
-    webhook_receiver.down = True
     second = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-2")
-    _promoted(spec, second)
-    tracking.set_alias(first.model_name, "champion", first.model_version)  # as if the alias had never moved
-    webhook_receiver.down = False
+    with tracking.pipeline_run(spec, "run", {}) as parent_id:
+        second.run_id = tracking.log_candidate(parent_id, spec, second)
+    version = tracking.create_version(first.model_name, second.run_id, {"cache_key": second.cache_key}).version
+    event = notify.promotion_event(spec, second, first.model_name, version, {}, "2026-01-01T00:00:00+00:00")
+    notify.record_event(first.model_name, version, notify.new_record(spec, event, first.model_version))
 
     results = notify.retry_pending(spec, backoff_s=0.01)
-    assert [(r["version"], r["status"]) for r in results] == [(second.model_version, "abandoned")]
+    assert [(r["version"], r["status"]) for r in results] == [(version, "abandoned")]
     assert "before the alias moved" in results[0]["last_error"]
     assert [e["version"] for e in webhook_receiver.events] == [first.model_version]
 
