@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LOCK_DIR_ENV = "SMELTER_LOCK_DIR"
-PREFECT_LEASE_S = 600
+PREFECT_LEASE_S = 60  # the least Prefect accepts: a killed holder blocks others this long at most (renewed while held)
 
 
 def _lock_dir() -> Path:
