@@ -35,7 +35,7 @@ def test_two_concurrent_runs_on_a_fresh_store_register_once_and_announce_once(
 
     champion = assert_registry_sound(store, tmp_path)
     client = MlflowClient(tracking_uri=store, registry_uri=store)
-    assert [v.version for v in client.search_model_versions(f"name = '{MODEL}'")] == [champion]
+    assert [str(v.version) for v in client.search_model_versions(f"name = '{MODEL}'")] == [champion]
     sent = deliveries(receiver)
     assert len(sent) == 1 and [e["version"] for e in receiver.events] == [champion], receiver.events
     assert_artifacts_intact(artifacts)

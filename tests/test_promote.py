@@ -177,7 +177,7 @@ def test_a_version_that_gets_the_alias_back_has_its_tags_refreshed(tmp_path: Pat
     assert MlflowClient().get_model_version(name, second.model_version).tags["status"] == "superseded"
 
 
-@pytest.mark.parametrize("damage", ["bytes flipped, size kept", "unloadable, manifest rewritten to match"])
+@pytest.mark.parametrize("damage", ["bytes flipped after upload, size kept", "unloadable, manifest matching it"])
 def test_a_corrupt_or_unloadable_engine_is_never_registered_and_the_alias_stays(tmp_path: Path, damage: str) -> None:
     spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
     store = ArtifactStore(tmp_path)
@@ -186,20 +186,27 @@ def test_a_corrupt_or_unloadable_engine_is_never_registered_and_the_alias_stays(
     promote(spec, _logged(spec, [first]))
 
     bad = candidate_outcome(store, spec, "int8", "cpu", throughput=900.0, variant="night-2")
-    logged = _logged(spec, [bad])
     build = bad.stages["build"]
     engine = build.file("model.onnx")
-    data = bytearray(engine.read_bytes())
-    data[:64] = bytes(64) if damage.startswith("unloadable") else bytes(b ^ 0xFF for b in data[:64])
-    engine.write_bytes(bytes(data))
-    if damage.startswith("unloadable"):
+
+    def damage_engine() -> None:
+        data = bytearray(engine.read_bytes())
+        data[:64] = bytes(64) if damage.startswith("unloadable") else bytes(b ^ 0xFF for b in data[:64])
+        engine.write_bytes(bytes(data))
+
+    if damage.startswith("unloadable"):  # broken before it was built into the cache: every hash agrees with it
+        damage_engine()
         build.manifest["files"]["model.onnx"]["sha256"] = file_digest(engine)
+        logged = _logged(spec, [bad])
+    else:
+        logged = _logged(spec, [bad])
+        damage_engine()
     promote(spec, logged)
 
     assert bad.status == "failed" and bad.failed_stage == "register" and bad.model_version is None
-    assert ("sha256" in bad.error) if damage.startswith("bytes") else ("does not load" in bad.error or
-                                                                     "changed since they were uploaded" in bad.error)
+    assert ("does not load" if damage.startswith("unloadable") else "sha256 differs from the build manifest") in bad.error
     assert _versions(name) == [first.model_version] and _alias(name) == first.model_version
+    assert bad.decision.reason.startswith("not registered:") and not bad.decision.take_alias
 
 
 def test_stale_running_runs_of_dead_processes_are_closed_and_live_ones_left_alone(tmp_path: Path) -> None:
