@@ -92,8 +92,10 @@ def run_once(spec: Any, stages: dict[str, StageResult]) -> None:
         if io is None:
             return
         shape = spec.profiles[0].shapes()["min"]
+        feeds = signature_feeds(io, shape)
+        wanted = getattr(runner, "input_names", None) or list(feeds)
         try:
-            outputs = runner.infer(signature_feeds(io, shape))
+            outputs = runner.infer({name: feeds[name] for name in wanted if name in feeds})
         except Exception as e:  # noqa: BLE001
             raise EngineRejected(f"{build.path}: the engine does not run at {shape}: {type(e).__name__}: {e}") from e
     bad = [name for name, value in outputs.items() if not np.isfinite(np.asarray(value, dtype=np.float64)).all()]
