@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from tasks import killpoints
 from tasks.backends.base import Runner
 from tasks.build import open_engine
 from tasks.inputs import decoder_feeds, encoder_feeds, point_feeds, read_texts, reference_outputs
@@ -61,6 +62,7 @@ def run_accuracy(spec: PipelineSpec, build_result: StageResult, store: ArtifactS
         else:
             table, metrics = _encoder_accuracy(spec, runner, tokenizer, reference, texts, batch)
         table.to_csv(w.dir / PER_SAMPLE, index=False)
+        killpoints.reach("accuracy")
         w.outputs.update({"metrics": metrics, "samples": len(texts), "seq_len": spec.accuracy.seq_len, "past": past,
                           "validity": check_validity(spec, runner, tokenizer, reference, texts)})
         if (report := three_way(spec, build_result, store, runner, tokenizer, reference, texts)) is not None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from tasks import stats
+from tasks import killpoints, stats
 from tasks.backends.base import BackendUnavailable, Runner
 from tasks.backends.table import BACKENDS
 from tasks.build import open_engine
@@ -125,6 +125,7 @@ def run_benchmark(spec: PipelineSpec, target_name: str, builds: dict[str, StageR
                                "champion": champion.build_key if champion else None}) as w:
         w.outputs.update(measured.outputs | {"host": load.as_dict(), "key": key})
         measured.samples.to_csv(w.dir / SAMPLES, index=False)
+        killpoints.reach("benchmark")
         _plot(measured.samples, w.dir / PLOT)
     return w.result
 

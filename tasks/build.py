@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks import killpoints
 from tasks.backends.base import Backend, BackendUnavailable, Runner, get_backend
 from tasks.spec import PipelineSpec, ProfileSpec, TargetSpec
 from tasks.store import ArtifactStore, StageResult, stage_key, tool_versions
@@ -66,6 +67,7 @@ def run_build(spec: PipelineSpec, precision_result: StageResult, target_name: st
         started = time.perf_counter()
         facts = backend.build(source, target, list(spec.profiles), w.dir, cache_dir)
         build_seconds = time.perf_counter() - started
+        killpoints.reach("build")
         if not (w.dir / backend.engine_file).is_file():
             raise RuntimeError(f"backend {backend.name} did not write its engine {backend.engine_file} "
                                f"for target {target.name}")

@@ -14,6 +14,7 @@ from typing import Any
 
 import onnx
 
+from tasks import killpoints
 from tasks.models import load_tokenizer, model_source_digest
 from tasks.spec import PipelineSpec
 from tasks.store import ArtifactStore, StageResult, stage_key, tool_versions
@@ -41,6 +42,7 @@ def run_export(spec: PipelineSpec, store: ArtifactStore, force: bool = False) ->
     with store.writing(spec.name, "export", key, inputs={"model_source": source}, config=config,
                        tools=tool_versions(*TOOLS)) as w:
         _export(spec, w.dir, spec.export.opset)
+        killpoints.reach("export")
         load_tokenizer(spec).save_pretrained(w.dir)
         w.outputs.update(describe_onnx(w.dir / ONNX_FILE) | {"task": spec.model.task, "model_source": source})
     return w.result
