@@ -25,7 +25,7 @@ from prefect.states import State
 
 from flows import events, fleet, progress
 from flows.stages import accuracy_task, benchmark_task, build_task, export_task, precision_task, validate_task
-from tasks import benchmark, decide, gates, notify, promote, tracking, triton
+from tasks import benchmark, decide, engine_check, gates, notify, promote, tracking, triton
 from tasks.champion import champion_build
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion
@@ -142,6 +142,19 @@ def track_task(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutcome
     return tracking.log_candidate(parent_run_id, spec, outcome, extra_tags=where)
 
 
+def _check_engine_here(spec: PipelineSpec, outcome: CandidateOutcome, run_id: str) -> None:
+    """Check the engine on the host that built it (the parent may have no copy, or no GPU to load it on);
+    the parent trusts this verdict for engines it cannot check itself."""
+    if outcome.status == "failed":
+        return
+    try:
+        engine_check.check_before_registering(spec, outcome.stages, tracking.uploaded_engine_digest(run_id))
+    except engine_check.EngineRejected as e:
+        tracking.record_engine_check(run_id, str(e))
+    else:
+        tracking.record_engine_check(run_id, "passed")
+
+
 @task(name="promote", cache_policy=NO_CACHE, persist_result=False)
 def promote_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
     return promote.promote(spec, outcomes)
@@ -200,8 +213,10 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
     for outcome in outcomes:
         gpu = gpus.get(outcome.candidate.target)
         try:
-            run_ids.append(track_task.with_options(task_run_name=f"{outcome.candidate.name}/track")(
-                parent_run_id, spec, outcome, where | ({"fleet.gpu": gpu} if gpu else {})))
+            run_id = track_task.with_options(task_run_name=f"{outcome.candidate.name}/track")(
+                parent_run_id, spec, outcome, where | ({"fleet.gpu": gpu} if gpu else {}))
+            _check_engine_here(spec, outcome, run_id)
+            run_ids.append(run_id)
         except Exception as e:  # noqa: BLE001 - the parent finds no run for it and fails it; the others go on
             progress.stage_failed(outcome.candidate.name, "track", f"{type(e).__name__}: {e}")
     return run_ids

@@ -104,7 +104,13 @@ def _engine_ok(spec: PipelineSpec, outcome: CandidateOutcome) -> bool:
     if outcome.cache_key and tracking.find_versions(name, {"cache_key": outcome.cache_key}):
         return True  # checked when it was registered; the registry's copy is what deploys fetch
     try:
-        engine_check.check_before_registering(spec, outcome.stages, tracking.uploaded_engine_digest(outcome.run_id))
+        if outcome.stages["build"].path.is_dir():
+            engine_check.check_before_registering(spec, outcome.stages, tracking.uploaded_engine_digest(outcome.run_id))
+        else:  # built on another pool's host: what is registered is its upload, checked there
+            verdict = tracking.engine_check_verdict(outcome.run_id) if outcome.run_id else None
+            if verdict != "passed":
+                raise engine_check.EngineRejected(
+                    f"built on another host, whose check before upload {'found: ' + verdict if verdict else 'did not run'}")
     except engine_check.EngineRejected as e:
         outcome.status, outcome.failed_stage = "failed", "register"
         outcome.error = f"register failed: {e}"

@@ -47,6 +47,7 @@ DESCRIPTION_TAG = "mlflow.note.content"  # what the MLflow UI shows as a run's d
 OUTCOME_RECORD = "smelter/outcome.json"  # a candidate's stage results, as the parent run rebuilds them
 OWNER_TAG = "smelter.owner"  # "<host> <pid> <process start>": who may still be writing a RUNNING run
 ENGINE_DIGEST_TAG = "engine_sha256"
+ENGINE_CHECK_TAG = "engine_check"  # "passed", or why not: the verdict of the host that built the engine
 _initialised: set[str] = set()
 
 
@@ -286,6 +287,15 @@ def _log_engine(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
     if engine_check.engine_digest(build) != digest:
         raise engine_check.EngineRejected(f"{build.path}: the engine's files changed while they were uploaded")
     mlflow.set_tag(ENGINE_DIGEST_TAG, digest)
+
+
+def record_engine_check(run_id: str, verdict: str) -> None:
+    _client().set_tag(run_id, ENGINE_CHECK_TAG, verdict[:500])
+
+
+def engine_check_verdict(run_id: str) -> str | None:
+    """What the host that built this run's engine found when it checked it (None: not checked there)."""
+    return _client().get_run(run_id).data.tags.get(ENGINE_CHECK_TAG)
 
 
 def uploaded_engine_digest(run_id: str) -> str | None:

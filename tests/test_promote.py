@@ -209,6 +209,29 @@ def test_a_corrupt_or_unloadable_engine_is_never_registered_and_the_alias_stays(
     assert bad.decision.reason.startswith("not registered:") and not bad.decision.take_alias
 
 
+@pytest.mark.parametrize("verdict", [None, "model.onnx: the engine does not load", "passed"])
+def test_an_engine_built_on_another_host_is_registered_only_on_that_hosts_check(tmp_path: Path,
+                                                                                 verdict: str | None) -> None:
+    """A GPU pool's engine may not load in the parent (no copy, no GPU): the parent relies on the building
+    host's check, recorded on the run, and refuses an engine that host did not pass."""
+    import shutil
+
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    name = f"{spec.name}-cpu"
+    remote = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=400.0)
+    logged = _logged(spec, [remote])
+    shutil.rmtree(remote.stages["build"].path)  # the parent's host never had the build directory
+    if verdict:
+        tracking.record_engine_check(remote.run_id, verdict)
+    promote(spec, logged)
+
+    if verdict == "passed":
+        assert remote.status == "promoted" and _alias(name) == remote.model_version
+    else:
+        assert remote.status == "failed" and remote.failed_stage == "register" and not _versions(name)
+        assert "built on another host" in remote.error and (verdict or "did not run") in remote.error
+
+
 def test_stale_running_runs_of_dead_processes_are_closed_and_live_ones_left_alone(tmp_path: Path) -> None:
     spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
     dead = subprocess.Popen(["sleep", "0"])
