@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+MANIFEST_DIGEST = "manifest_sha256"
 KEY_LENGTH = 16
 CORRUPT_DIR = "_corrupt"
 LOCKS_DIR = "_locks"
@@ -160,6 +161,8 @@ class ArtifactStore:
             return None, None
         try:
             manifest = json.loads((final / MANIFEST).read_text())
+            if manifest.pop(MANIFEST_DIGEST) != _manifest_digest(manifest):
+                return None, f"{MANIFEST} does not match its own sha256"
             files = manifest["files"]
             expected = {str(name): (int(meta["bytes"]), str(meta["sha256"])) for name, meta in files.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -291,6 +294,11 @@ class HashCache:
                 os.unlink(tmp)
 
 
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    """The manifest's own sha256: its outputs (metrics, measurements) are results too, and must not drift."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
 def _entries_digest(entries: Any) -> str:
     return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
 
@@ -322,7 +330,9 @@ class StageWriter:
         self.manifest |= {"outputs": _canonical(self.outputs), "files": files,
                           "seconds": round(time.perf_counter() - self._started, 3),
                           "created_unix": round(time.time(), 3)}
-        (self.dir / MANIFEST).write_text(json.dumps(self.manifest, indent=2, default=str))
+        self.manifest = json.loads(json.dumps(self.manifest, default=str))  # exactly what a lookup reads back
+        sealed = self.manifest | {MANIFEST_DIGEST: _manifest_digest(self.manifest)}
+        (self.dir / MANIFEST).write_text(json.dumps(sealed, indent=2))
 
 
 def _machine_id() -> str:
