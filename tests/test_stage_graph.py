@@ -87,7 +87,7 @@ def task_run_refs(pipeline: str) -> dict[tuple[str, str], str]:
 
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=f"{pipeline}")),
-                                     limit=500)
+                                     limit=200)
     refs = {}
     for run in runs:
         node, _, stage = run.name.rpartition("/")
