@@ -71,6 +71,9 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
                                f"here: {why}")
     from_torch = BACKENDS[target.backend].source == "torch"
     profiles = list(spec.profiles)
+    if from_torch and spec.model_dir is None:
+        raise BuildUnavailable(f"pipeline {spec.name}, target {target.name}: backend {backend.name} builds from the "
+                               "model's own files; set model.path to a local copy of the model")
     if from_torch:
         upstream: dict[str, Any] = {"model": model_source_digest(spec), "task": spec.model.task, "precision": precision}
     elif precision_result is None:
@@ -84,7 +87,7 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
         started = time.perf_counter()
         if from_torch:
             source_name = "model"
-            facts = backend.build_from_model(spec, precision, target, profiles, w.dir, w.cache_dir(backend.name))
+            facts = backend.build_from_model(spec.model_dir, spec.model.task, precision, target, profiles, w.dir)
         else:
             source = backend.source_model(precision_result.path)
             if not source.is_file():
