@@ -63,7 +63,7 @@ def stage_task(stage: str) -> Any:
     """The Prefect task that runs one stage's steps (named after the stage in the UI)."""
 
     @task(name=stage, cache_policy=NO_CACHE, persist_result=False)
-    def run_step(step: Step, inputs: dict[tuple[str, str], StageResult], store: ArtifactStore,
+    def stage_step(step: Step, inputs: dict[tuple[str, str], StageResult], store: ArtifactStore,
                  force: bool = False) -> Any:
         progress.stage_started(step.node, stage)
         token = shared_key_lock.set(global_key_lock)
@@ -73,7 +73,7 @@ def stage_task(stage: str) -> Any:
             shared_key_lock.reset(token)
         return _as_state(step.node, stage, result)
 
-    return run_step
+    return stage_step
 
 
 def run_step(step: Step, inputs: dict[tuple[str, str], StageResult], store: ArtifactStore, force: bool) -> Any:

@@ -161,6 +161,8 @@ class ArtifactStore:
             return None, None
         try:
             manifest = json.loads((final / MANIFEST).read_text())
+            if MANIFEST_DIGEST not in manifest:
+                return None, f"{MANIFEST} has no {MANIFEST_DIGEST} (written by an older smelter, or edited)"
             if manifest.pop(MANIFEST_DIGEST) != _manifest_digest(manifest):
                 return None, f"{MANIFEST} does not match its own sha256"
             files = manifest["files"]
