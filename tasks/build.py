@@ -45,8 +45,8 @@ def _key_parts(target: TargetSpec, backend: Backend, profiles: list[ProfileSpec]
     """What an engine depends on beyond its source: the target's settings and profiles, the backend and its
     version, and the machine facts it is tied to (CPU ISA, GPU compute capability)."""
     torch_tools = BACKENDS[target.backend].source == "torch"
-    return {"upstream": upstream,
-            "config": {"target": target.model_dump(mode="json"), "profiles": [p.model_dump(mode="json") for p in profiles]},
+    config = {"target": target.model_dump(mode="json"), "profiles": [p.model_dump(mode="json") for p in profiles]}
+    return {"upstream": upstream, "config": config,
             "tools": {backend.name: backend.version(), **tool_versions(*(TORCH_TOOLS if torch_tools else ("onnx",)))},
             "hardware": backend.hardware(target)}
 

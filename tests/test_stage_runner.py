@@ -124,7 +124,8 @@ def test_two_processes_building_one_key_build_it_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_prefect_global_limit_serialises_builders_of_one_key_across_stores(tmp_path: Path, prefect_server: None) -> None:
+def test_prefect_global_limit_serialises_builders_of_one_key_across_stores(tmp_path: Path,
+                                                                           prefect_server: None) -> None:
     """Two hosts do not share a file lock: with separate stores only the global concurrency limit keeps the
     two builds of one key apart in time."""
     from prefect.settings import PREFECT_API_URL

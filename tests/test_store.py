@@ -86,8 +86,8 @@ def onnx_with_external_data(directory: Path) -> dict[str, bytes]:
     """A real ONNX model whose weights live in an external data file beside it."""
     weight = onnx.numpy_helper.from_array(np.arange(4096, dtype=np.float32).reshape(64, 64), "w")
     node = onnx.helper.make_node("MatMul", ["x", "w"], ["y"])
-    graph = onnx.helper.make_graph([node], "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
-                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])], [weight])
+    io = [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [1, 64]) for name in ("x", "y")]
+    graph = onnx.helper.make_graph([node], "g", io[:1], io[1:], [weight])
     onnx.save_model(onnx.helper.make_model(graph), str(directory / "model.onnx"), save_as_external_data=True,
                     all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
     return {name: (directory / name).read_bytes() for name in ("model.onnx", "model.onnx.data")}
