@@ -33,7 +33,6 @@ class Step:
         stage: the stage it runs.
         node: what it is for (pipeline, pipeline/precision, candidate or pipeline/target).
         needs: the outputs it is computed from, in the order `work` takes them.
-        after: outputs that must exist first though it does not read them (validate gates precision).
         work: the stage's description of this output, given the outputs it needs.
         target: the target it runs for (build, accuracy, benchmark), whose backend may be missing here.
     """
@@ -42,7 +41,6 @@ class Step:
     node: str
     needs: tuple[Ref, ...]
     work: Callable[..., Work]
-    after: tuple[Ref, ...] = ()
     target: str | None = None
 
     @property
@@ -55,7 +53,11 @@ def builds_from_torch(spec: PipelineSpec, target_name: str) -> bool:
 
 
 def candidate_steps(spec: PipelineSpec, candidate: Candidate, store: ArtifactStore | None = None) -> list[Step]:
-    """The steps that make one candidate's engine and judge its accuracy, in running order."""
+    """The steps that make one candidate's engine and judge its accuracy, in running order.
+
+    Order also gates: a step runs only when every step before it succeeded (a failed validate
+    stops the ONNX chain before any precision or engine is made from a wrong export).
+    """
     p, t, label = candidate.precision, candidate.target, candidate.name
     judged = functools.partial(Step, "accuracy", label, work=lambda b: accuracy.accuracy_work(spec, b, store), target=t)
     if builds_from_torch(spec, t):
@@ -64,7 +66,7 @@ def candidate_steps(spec: PipelineSpec, candidate: Candidate, store: ArtifactSto
     exported = Step("export", spec.name, (), lambda: export.export_work(spec))
     validated = Step("validate", spec.name, (exported.ref,), lambda e: validate.validate_work(spec, e))
     precise = Step("precision", f"{spec.name}/{p}", (exported.ref,),
-                   lambda e: precision.precision_work(spec, e, p), after=(validated.ref,))
+                   lambda e: precision.precision_work(spec, e, p))
     built = Step("build", label, (precise.ref,), lambda r: build.build_work(spec, t, p, r), target=t)
     return [exported, validated, precise, built, judged((built.ref,))]
 
