@@ -40,11 +40,15 @@ def global_key_lock(key_name: str) -> Iterator[None]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     name = limit_name(key_name)
-    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
-        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            with contextlib.suppress(ObjectAlreadyExists):  # another run created it meanwhile
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
     with concurrency(name, occupy=1, strict=True, lease_duration=LEASE_S):
         yield
 
