@@ -66,7 +66,7 @@ def accuracy_work(spec: PipelineSpec, build_result: StageResult, store: Artifact
                 (w.dir / THREE_WAY).write_text(json.dumps(report, indent=2))
                 w.outputs["three_way_passed"] = report["passed"]
 
-    parts = {"upstream": {"build": build_result.key}, "config": config,
+    parts = {"upstream": {"build": build_result.key, "files": build_result.content}, "config": config,
              "data": file_digest(spec.resolve(spec.accuracy.data)), "tools": tools}
     return Work(spec.name, "accuracy", parts, CODE, produce, inputs={"build": build_result.key}, config=config,
                 tools=tools)

@@ -109,7 +109,7 @@ def benchmark_work(spec: PipelineSpec, target_name: str, builds: dict[str, Stage
     if not builds:
         raise ValueError(f"pipeline {spec.name}, target {target_name}: no built engine to benchmark")
     config, tools = _config(spec, target_name), tool_versions(*TOOLS)
-    engines = sorted((name, build.key) for name, build in builds.items())
+    engines = sorted((name, build.key, build.content) for name, build in builds.items())
     parts = {"target": target_name, "engines": engines,
              "champion": _extra_champion(champion, builds) and champion.build_key, "config": config,
              "data": file_digest(spec.resolve(spec.accuracy.data)), "host": host_facts(), "tools": tools}

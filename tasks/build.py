@@ -32,7 +32,8 @@ class BuildUnavailable(BackendUnavailable):
 def build_key(precision_result: StageResult, target: TargetSpec, backend: Backend,
               profiles: list[ProfileSpec]) -> str:
     """Hash of the precision graph, the target and its profiles, the backend version, this machine."""
-    parts = _key_parts(target, backend, profiles, {"precision": precision_result.key})
+    upstream = {"precision": precision_result.key, "files": precision_result.content}
+    parts = _key_parts(target, backend, profiles, upstream)
     return Work("", STAGE, parts, _code(target), _nothing).key
 
 
@@ -81,7 +82,8 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
                          "precision stage's ONNX, and none was given")
     else:
         upstream = {"precision": precision_result.key}
-    parts = _key_parts(target, backend, profiles, upstream)
+    files = {} if from_torch else {"files": precision_result.content}
+    parts = _key_parts(target, backend, profiles, upstream | files)
 
     def produce(w: StageWriter, _published: StageResult | None) -> None:
         started = time.perf_counter()

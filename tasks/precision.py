@@ -71,8 +71,10 @@ def precision_work(spec: PipelineSpec, export_result: StageResult, precision: st
         else:
             w.outputs.update(_int8(spec, source, w.dir))
 
-    return Work(spec.name, STAGE, {"upstream": {"export": export_result.key}, "config": config, "tools": tools},
-                CODE, produce, inputs={"export": export_result.key}, config=config, tools=tools)
+    parts = {"upstream": {"export": export_result.key, "files": export_result.content}, "config": config,
+             "tools": tools}
+    return Work(spec.name, STAGE, parts, CODE, produce, inputs={"export": export_result.key}, config=config,
+                tools=tools)
 
 
 def _config(spec: PipelineSpec, precision: str) -> dict[str, Any]:

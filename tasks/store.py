@@ -111,6 +111,13 @@ class StageResult:
         return self.path / name
 
     @property
+    def content(self) -> str:
+        """A digest of its files' hashes, for downstream keys: a rebuilt output that differs in any byte (a
+        build that is not bit-reproducible) is judged and measured again, never credited with the old one's."""
+        files = {name: meta.get("sha256") for name, meta in sorted(self.manifest.get("files", {}).items())}
+        return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:KEY_LENGTH]
+
+    @property
     def outputs(self) -> dict[str, Any]:
         """The stage's own results (metrics, shapes, ...) recorded in the manifest."""
         return self.manifest.get("outputs", {})

@@ -86,8 +86,9 @@ def validate_work(spec: PipelineSpec, export_result: StageResult) -> Work:
         (w.dir / REPORT).write_text(json.dumps(report, indent=2))
         w.outputs.update({name: report[name] for name in ("passed", "points", "outputs", "nan_inf")})
 
-    return Work(spec.name, "validate", {"upstream": export_result.key, "config": config, "tools": tools}, CODE,
-                produce, inputs={"export": export_result.key}, config=config, tools=tools)
+    parts = {"upstream": [export_result.key, export_result.content], "config": config, "tools": tools}
+    return Work(spec.name, "validate", parts, CODE, produce, inputs={"export": export_result.key}, config=config,
+                tools=tools)
 
 
 def _config(spec: PipelineSpec) -> dict[str, Any]:
