@@ -11,7 +11,9 @@ follow `builder.create_network()` to `INetworkDefinition`).
 
 Needs network access to PyPI and a C compiler (cc). Usage:
     python scripts/trt_api_names.py                 # the default versions below
-    python scripts/trt_api_names.py 10.16.1.11 11.4.0.106
+    python scripts/trt_api_names.py 10.8.0.43 10.16.1.11 11.4.0.106
+The newest version of each major is written as tensorrt_api_<major>.json, older ones as
+tensorrt_api_<major>.<minor>.json.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-DEFAULT_VERSIONS = ("10.16.1.11", "11.4.0.106")
+DEFAULT_VERSIONS = ("10.8.0.43", "10.16.1.11", "11.4.0.106")  # 10.8: the pinned docker image's
 OUT_DIR = Path(__file__).resolve().parent.parent / "tests" / "data"
 STUB_LIBRARIES = ("nvinfer", "nvinfer_plugin", "nvonnxparser")
 STUB_SOURCE = """
@@ -161,7 +163,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="trt-names-") as tmp:
         for version in args.versions:
             names = names_from_wheel(version, Path(tmp))
-            out = OUT_DIR / f"tensorrt_api_{version.split('.')[0]}.json"
+            major, minor = version.split(".")[:2]
+            newest = max((v for v in args.versions if v.split(".")[0] == major),
+                         key=lambda v: tuple(int(p) for p in v.split(".")))
+            out = OUT_DIR / (f"tensorrt_api_{major}.json" if version == newest else f"tensorrt_api_{major}.{minor}.json")
             out.write_text(_compact_json(names))
             print(f"{out}: TensorRT {names['tensorrt_version']}, {len(names['classes'])} classes")
 

@@ -27,6 +27,7 @@ import pandas as pd
 
 from tasks import stats
 from tasks.backends.base import BackendUnavailable, Runner
+from tasks.backends.table import BACKENDS
 from tasks.build import open_engine
 from tasks.hostload import LoadWatch
 from tasks.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read_texts
@@ -44,8 +45,7 @@ SAMPLES = "samples.csv"
 PLOT = "latency.png"
 REFERENCE = "pytorch-fp32"
 TOOLS = ("torch", "transformers", "numpy")
-CODE = ("tasks.benchmark", "tasks.measure", "tasks.stats", "tasks.inputs")  # what it computes: part of the key
-GPU_BACKENDS = ("tensorrt",)
+CODE = ("tasks.benchmark", "tasks.measure", "tasks.stats", "tasks.inputs", "tasks.gpu_measure")  # part of the key
 
 OpenRunner = Callable[..., Runner]
 
@@ -289,8 +289,14 @@ def reference_device(builds: Any) -> str:
     """Where eager PyTorch runs: on the GPU beside GPU engines when it can, so ratios compare like with like."""
     import torch
 
-    gpu = any(b.outputs.get("backend") in GPU_BACKENDS for b in builds)
+    gpu = any(_runs_on_gpu(b.outputs) for b in builds)
     return "cuda" if gpu and torch.cuda.is_available() else "cpu"
+
+
+def _runs_on_gpu(build: dict[str, Any]) -> bool:
+    """A GPU-only backend's engine, or one built for `device: cuda` by a backend that runs on both."""
+    info = BACKENDS.get(build.get("backend", ""))
+    return info is not None and (info.devices == ("gpu",) or build.get("device") == "cuda")
 
 
 def prefill_past(spec: PipelineSpec) -> int:
@@ -320,7 +326,7 @@ class _Bench:
         """Every engine against the reference, every candidate against each other and against an extra champion."""
         feeds = self.feeds(point["batch"], point["seq"], point["past"])
         forward = reference_call(self.timed_reference, feeds, self.spec.model.task, self.device)
-        contenders = [Contender(REFERENCE, lambda n: time_call_ms(forward, 0, n))]
+        contenders = [Contender(REFERENCE, reference_timer(forward, self.device))]
         contenders += [Contender(name, engine_timer(runner, feeds)) for name, runner in self.runners.items()]
         pairs = [(REFERENCE, name) for name in self.candidates]
         pairs += list(itertools.combinations(self.candidates, 2))
@@ -332,6 +338,15 @@ class _Bench:
 
 def engine_timer(runner: Runner, feeds: dict[str, np.ndarray]) -> Callable[[int], list[float]]:
     return lambda n: runner.time_ms(feeds, 0, n)
+
+
+def reference_timer(forward: Callable[[], Any], device: str) -> Callable[[int], list[float]]:
+    """On a GPU the reference is timed like GPU engines are: CUDA events, inputs and outputs on the device."""
+    if device == "cpu":
+        return lambda n: time_call_ms(forward, 0, n)
+    from tasks.gpu_measure import cuda_times_ms
+
+    return lambda n: cuda_times_ms(forward, 0, n)
 
 
 def time_call_ms(call: Callable[[], Any], warmup: int, repeats: int) -> list[float]:

@@ -9,6 +9,9 @@ export, validate or precision stage.
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import time
 from pathlib import Path
 from typing import Any
@@ -53,8 +56,25 @@ def _key_parts(target: TargetSpec, backend: Backend, profiles: list[ProfileSpec]
 
 
 def _code(target: TargetSpec) -> tuple[str, ...]:
-    """This stage's code and the backend's: a fix in either rebuilds the engines it touches."""
-    return CODE + ("tasks.backends.base", BACKENDS[target.backend].module)
+    """This stage's code and the backend's (its module and the backend modules it imports): a fix in
+    any of them rebuilds the engines it touches."""
+    module = BACKENDS[target.backend].module
+    return CODE + tuple(sorted({"tasks.backends.base", module, *backend_imports(module)}))
+
+
+@functools.cache
+def backend_imports(module: str) -> tuple[str, ...]:
+    """The `tasks.backends` modules a backend module imports (e.g. TensorRT's trt_plan)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return ()
+    found = set()
+    for node in ast.walk(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module == "tasks.backends":
+            found |= {f"tasks.backends.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tasks.backends."):
+            found.add(node.module)
+    return tuple(sorted(found))
 
 
 def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_result: StageResult | None) -> Work:

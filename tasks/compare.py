@@ -48,30 +48,29 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
     point = {"batch": batch or spec.gate_point["batch"], "seq": seq or spec.gate_point["seq"],
              "past": prefill_past(spec)}
     threads = benchmark_threads(spec, getattr(spec.target(owner.target), "threads", None))
-    builds = {}
-    for version in (version_a, version_b):
+    builds = {}  # labelled a and b, so a version compared with itself (the noise floor) is timed twice
+    for label, version in (("a", version_a), ("b", version_b)):
         found = tracking.find_version(name, version)
         if found is None:
             raise SpecError([f"compare: {name} has no version {version!r} in the registry at "
                              f"{tracking.tracking_uri()}"])
         record = Champion(name, found.version, found.run_id, found.tags.get("cache_key") or None,
                           found.tags.get("precision"))
-        builds[f"v{found.version}"] = champion_build(spec, record, store)
+        builds[label] = champion_build(spec, record, store)
     runners = {label: open_engine(spec, build, threads=threads) for label, build in builds.items()}
     try:
         names = sorted({n for r in runners.values() for n in r.input_names})
         feeds = point_feeds(spec, load_tokenizer(spec), load_reference(spec), read_texts(spec.resolve(spec.accuracy.data)),
                             point, names)
-        (label_a, label_b) = list(runners)
         settings = spec.benchmark
         with LoadWatch() as load:
             rounds = measure_rounds([Contender(label, engine_timer(runner, feeds)) for label, runner in runners.items()],
-                                    [(label_a, label_b)], warmup=settings.warmup, min_rounds=settings.min_rounds,
+                                    [("a", "b")], warmup=settings.warmup, min_rounds=settings.min_rounds,
                                     max_seconds=settings.max_seconds, precision=settings.precision)
     finally:
         for runner in runners.values():
             runner.close()
-    ratio = rounds.ratio(label_a, label_b)
+    ratio = rounds.ratio("a", "b")
     return {"registered_model": name, "a": version_a, "b": version_b, "batch": point["batch"], "seq": point["seq"],
             "ratio": ratio.ratio, "ci": [ratio.low, ratio.high], "half_width": ratio.half_width,
             "conclusive": ratio.conclusive(settings.precision), "rounds": ratio.rounds,

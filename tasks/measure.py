@@ -3,8 +3,10 @@
 Each round gives every contender one slot, in an order that rotates from round to round (ABC,
 BCA, CAB, ...), so no engine always runs right after the same other one. A slot is a few calls
 (enough to last SLOT_MS; its median is the round's value), so a sub-millisecond engine is not
-timed on one noisy call. After `min_rounds`, rounds continue until every requested ratio's 95%
-interval is within ±precision (conclusive), or `max_seconds` is spent (inconclusive). Every raw
+timed on one noisy call. Rounds continue until every requested ratio's 95% interval is within
+±precision (conclusive, checked from `min_rounds` on, so a lucky few rounds cannot end it), or
+`max_seconds` is spent (inconclusive; the budget holds even before `min_rounds`, so a busy machine
+cannot make the stage run for ever). Every raw
 call time is kept. Pattern from pyperf and MLPerf LoadGen: a minimum duration, then early stopping.
 """
 
@@ -89,8 +91,6 @@ def measure_rounds(contenders: list[Contender], pairs: list[tuple[str, str]], *,
         for contender in contenders[shift:] + contenders[:shift]:
             rounds.samples_ms[contender.name].append(contender.timer(calls[contender.name]))
         rounds.seconds = time.monotonic() - started
-        if index + 1 < min_rounds:
-            continue
-        if rounds.seconds >= max_seconds or rounds.conclusive(precision):
+        if rounds.seconds >= max_seconds or (index + 1 >= min_rounds and rounds.conclusive(precision)):
             break
     return rounds

@@ -173,9 +173,9 @@ class BenchmarkSpec(_Strict):
     past_len: int = Field(64, ge=1, le=MAX_SEQ, description="decoders: past length for the decode-step latency")
     warmup: int = Field(5, ge=0, le=MAX_WARMUP, description="untimed calls of each engine before the rounds")
     min_rounds: int = Field(10, ge=3, le=MAX_ROUNDS,
-                            description="interleaved rounds before the stopping rule is checked")
+                            description="interleaved rounds before a conclusive interval may stop the rounds")
     max_seconds: float = Field(30.0, gt=0, le=MAX_BENCHMARK_SECONDS,
-                               description="time budget per shape point; past it, inconclusive")
+                               description="time budget per shape point, even before min_rounds; past it, inconclusive")
     precision: float = Field(0.05, gt=0, le=1, description="stop when every ratio's 95% interval is within ±this")
     threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="intra-op threads; None = all cores")
 

@@ -139,6 +139,16 @@ def test_run_promotes_records_notifies_and_reruns_cached(
     assert code == 0 and not stages["build"]["cached"], "a cache entry whose directory is gone is rebuilt"
     assert stages["build"]["key"] == fp32["stages"]["build"]["key"] and stages["precision"]["cached"]
 
+    # A user who doubts a decision times two registered engines here; the champion against itself is the noise floor.
+    version = str(champion.version)
+    code = main(["compare", "-f", str(path), "--artifacts", artifacts, f"{name}-cpu", version, version,
+                 "--batch", "1", "--seq", "16", "--json"])
+    compared = json.loads(capsys.readouterr().out)
+    assert code == 0 and (compared["batch"], compared["seq"]) == (1, 16)
+    assert compared["ci"][0] <= compared["ratio"] <= compared["ci"][1] and compared["rounds"] >= 1
+    assert main(["compare", "-f", str(path), f"{name}-cpu", version, "999"]) == 2
+    assert f"{name}-cpu has no version '999'" in capsys.readouterr().err
+
 
 def test_rejected_and_failed_candidates_are_recorded_never_promoted(
         pipeline_factory: Any, tiny_bert_dir: Path, mlflow_server: str, prefect_server: None, tmp_path: Path,

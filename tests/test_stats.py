@@ -90,6 +90,16 @@ def test_rounds_run_out_of_time_when_the_ratio_stays_uncertain() -> None:
     assert rounds.count > 3
 
 
+def test_the_time_budget_holds_even_before_the_minimum_rounds() -> None:
+    """A machine so busy that each round is slow ends the point at max_seconds, not at min_rounds. (Stopped by the
+    clock, not by the outcome, the interval of those few rounds keeps its coverage.)"""
+    slow = Contender("slow", lambda n: time.sleep(0.05) or [50.0] * n)
+    fast = _synthetic(20.0, 0.01, 5)
+    rounds = measure_rounds([slow, fast], [(slow.name, fast.name)], warmup=0, min_rounds=1000, max_seconds=0.3,
+                            precision=0.5)
+    assert rounds.seconds >= 0.3 and rounds.count < 1000
+
+
 def test_rounds_rotate_the_order_and_refuse_unknown_pairs() -> None:
     order: list[str] = []
 

@@ -6,8 +6,10 @@ TensorRT objects through assignments (`builder = trt.Builder(...)`, `config = bu
 `self._engine = runtime.deserialize_cuda_engine(...)`, parameters and functions annotated `trt.X`) using the return
 types recorded from the bindings' signatures, and checks each attribute used on them.
 
-A version gate is `if _since(N):` (body: TensorRT N and later; else: earlier), its negation, or the
-same test in a conditional expression. A name one major lacks must sit under a gate that excludes it.
+The name lists cover the oldest 10.x we support (10.8, the pinned docker image's) and the newest
+10.x and 11.x. A version gate is `if _since(N):` or `if _since(N, M):` (body: TensorRT N.M and
+later; else: earlier), its negation, or the same test in a conditional expression. A name one
+version lacks must sit under a gate that excludes it.
 """
 
 from __future__ import annotations
@@ -21,8 +23,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = ROOT / "tasks" / "backends" / "tensorrt.py"
-MAJORS = (10, 11)
-API = {major: json.loads((ROOT / "tests" / "data" / f"tensorrt_api_{major}.json").read_text()) for major in MAJORS}
+def _release(data: dict) -> tuple[int, int]:
+    major, minor = data["tensorrt_version"].split(".")[:2]
+    return int(major), int(minor)
+
+
+API = {_release(d): d for d in (json.loads(p.read_text()) for p in sorted((ROOT / "tests" / "data").glob("tensorrt_api_*.json")))}
+VERSIONS = tuple(sorted(API))
+
+
+def newest(major: int) -> dict:
+    return API[max(v for v in VERSIONS if v[0] == major)]
 MODULE_TYPE = "<module tensorrt>"
 
 
@@ -39,11 +50,11 @@ class Use:
 
 
 def _returns(key: str) -> str | None:
-    return next((API[m]["returns"][key] for m in reversed(MAJORS) if key in API[m]["returns"]), None)
+    return next((API[v]["returns"][key] for v in reversed(VERSIONS) if key in API[v]["returns"]), None)
 
 
 def _is_class(path: str) -> bool:
-    return any(path in API[m]["classes"] for m in MAJORS)
+    return any(path in API[v]["classes"] for v in VERSIONS)
 
 
 class _Types:
@@ -139,7 +150,7 @@ def _assign_scopes(node: ast.AST, scope: str, out: dict[ast.AST, str]) -> None:
 def _is_method(owner: str, member: str) -> bool:
     """Properties and enum values read as instances; methods need a call."""
     key = member if owner == MODULE_TYPE else f"{owner}.{member}"
-    return any(key in API[m]["methods"] for m in MAJORS)
+    return any(key in API[v]["methods"] for v in VERSIONS)
 
 
 def _key(node: ast.expr) -> str | None:
@@ -158,26 +169,27 @@ def _dotted(node: ast.expr, root: str) -> str | None:
     return ".".join(reversed(parts)) if isinstance(node, ast.Name) and node.id == root else None
 
 
-def _gate(test: ast.expr) -> tuple[int, bool] | None:
-    """(N, True) for `_since(N)`, (N, False) for `not _since(N)`."""
+def _gate(test: ast.expr) -> tuple[tuple[int, int], bool] | None:
+    """((N, M), True) for `_since(N, M)` (M = 0 when left out), ((N, M), False) for its negation."""
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and (inner := _gate(test.operand)):
         return inner[0], not inner[1]
     if (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "_since"
-            and len(test.args) == 1 and isinstance(test.args[0], ast.Constant)):
-        return int(test.args[0].value), True
+            and 1 <= len(test.args) <= 2 and all(isinstance(a, ast.Constant) for a in test.args)):
+        values = [int(a.value) for a in test.args]
+        return (values[0], values[1] if len(values) == 2 else 0), True
     return None
 
 
 def collect_uses(source: str) -> tuple[list[Use], list[str]]:
-    """Every TensorRT attribute the source reads, with the majors its version gates let it run on."""
+    """Every TensorRT attribute the source reads, with the versions its gates let it run on."""
     tree = ast.parse(source)
     types = _Types(tree)
     uses: list[Use] = []
 
-    def visit(node: ast.AST, majors: frozenset[int]) -> None:
+    def visit(node: ast.AST, majors: frozenset[tuple[int, int]]) -> None:
         if isinstance(node, (ast.If, ast.IfExp)) and (gate := _gate(node.test)):
-            major, since = gate
-            newer = frozenset(m for m in majors if m >= major)
+            release, since = gate
+            newer = frozenset(m for m in majors if m >= release)
             older = majors - newer
             visit(node.test, majors)
             body = node.body if isinstance(node.body, list) else [node.body]
@@ -192,12 +204,12 @@ def collect_uses(source: str) -> tuple[list[Use], list[str]]:
         for child in ast.iter_child_nodes(node):
             visit(child, majors)
 
-    visit(tree, frozenset(MAJORS))
+    visit(tree, frozenset(VERSIONS))
     return uses, types.conflicts
 
 
 def problems(uses: list[Use]) -> list[str]:
-    """Names missing from a major the use can run on; dunders (__version__, __init__) are Python's own."""
+    """Names missing from a version the use can run on; dunders (__version__, __init__) are Python's own."""
     found = []
     for use in uses:
         if use.name.startswith("__") and use.name.endswith("__"):
@@ -207,7 +219,7 @@ def problems(uses: list[Use]) -> list[str]:
             names = api["module"] if use.owner == MODULE_TYPE else api["classes"].get(use.owner, [])
             if use.name not in names:
                 found.append(f"line {use.line}: {use.qualified} does not exist in TensorRT {api['tensorrt_version']}; "
-                             f"put it under `if _since(N):` so it only runs where it exists")
+                             f"put it under `if _since(N, M):` so it only runs where it exists")
     return found
 
 
@@ -226,7 +238,9 @@ def test_scan_sees_the_build_and_runtime_api():
                 "IOptimizationProfile.set_shape", "ICudaEngine.num_io_tensors", "ICudaEngine.create_engine_inspector",
                 "IExecutionContext.set_input_shape", "IExecutionContext.set_tensor_address",
                 "IExecutionContext.execute_async_v3", "trt.NetworkDefinitionCreationFlag", "BuilderFlag.VERSION_COMPATIBLE",
-                "Runtime.engine_host_code_allowed", "ILogger.Severity.ERROR", "IBuilderConfig.get_timing_cache"}
+                "Runtime.engine_host_code_allowed", "ILogger.Severity.ERROR", "IBuilderConfig.get_timing_cache",
+                "ITimingCache.combine", "IExecutionContext.set_output_allocator", "trt.IOutputAllocator",
+                "HardwareCompatibilityLevel.SAME_COMPUTE_CAPABILITY"}
     assert expected - checked == set()
 
 
@@ -262,7 +276,17 @@ def test_check_follows_types_and_gates(snippet, missing_in):
     assert {int(p.split("TensorRT ")[1].split(".")[0]) for p in found} == missing_in
 
 
-def test_name_lists_come_from_both_majors():
-    assert API[10]["tensorrt_version"].startswith("10.") and API[11]["tensorrt_version"].startswith("11.")
-    assert "FP16" in API[10]["classes"]["BuilderFlag"] and "FP16" not in API[11]["classes"]["BuilderFlag"]
-    assert "execute_async_v3" in API[11]["classes"]["IExecutionContext"]
+def test_name_lists_come_from_both_majors_and_the_pinned_10_8():
+    assert VERSIONS[0] == (10, 8) and newest(10)["tensorrt_version"].startswith("10.") and 11 in {v[0] for v in VERSIONS}
+    assert "FP16" in newest(10)["classes"]["BuilderFlag"] and "FP16" not in newest(11)["classes"]["BuilderFlag"]
+    assert "execute_async_v3" in newest(11)["classes"]["IExecutionContext"]
+
+
+def test_a_name_added_in_a_minor_release_needs_a_minor_gate():
+    """SAME_COMPUTE_CAPABILITY came in TensorRT 10.9; the pinned image's 10.8 lacks it."""
+    snippet = ("def f(config: trt.IBuilderConfig):\n    trt = _trt()\n"
+               "    config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.SAME_COMPUTE_CAPABILITY\n")
+    found = problems(collect_uses(snippet)[0])
+    assert len(found) == 1 and "does not exist in TensorRT 10.8.0.43" in found[0]
+    gated = snippet.replace("    config.hardware", "    if _since(10, 9):\n        config.hardware")
+    assert problems(collect_uses(gated)[0]) == []

@@ -8,7 +8,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from tasks.backends import trt_plan
-from tasks.backends.trt_plan import EngineMismatch, GpuInfo
+from tasks.backends.trt_plan import EngineMismatch
+from tasks.gpu import GpuInfo
 from tasks.spec import ProfileSpec, TensorRTTarget
 
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", (9, 0), "580.159.03")
@@ -42,12 +43,6 @@ def test_arch_names_round_trip_to_compute_capability():
     assert trt_plan.arch_name((8, 6)) == "sm86"
     with pytest.raises(ValueError, match="sm90"):
         trt_plan.parse_arch("hopper")
-
-
-def test_nvidia_smi_rows_are_parsed():
-    gpus = trt_plan.parse_nvidia_smi("NVIDIA H200, 9.0, 580.159.03\nNVIDIA A10, 8.6, 550.54.15\n")
-    assert gpus == [GpuInfo("NVIDIA H200", (9, 0), "580.159.03"), GpuInfo("NVIDIA A10", (8, 6), "550.54.15")]
-    assert gpus[1].arch == "sm86" and gpus[1].cc == "8.6"
 
 
 def test_build_on_the_wrong_gpu_names_both_archs():

@@ -2,14 +2,16 @@
 
 Every network is built strongly typed (the precision is in the ONNX graph as Cast or Q/DQ nodes):
 TensorRT 11 has nothing else, and on 10.x we opt in, so one path serves both. Code that differs
-between majors sits under `if _since(11):`; tests/test_tensorrt_api.py checks every TensorRT name
-used here against the real 10.x and 11.x bindings and understands that gate. Device memory, streams
+between releases sits under `if _since(11):` (or `_since(10, 9)`); tests/test_tensorrt_api.py checks
+every TensorRT name used here against the real 10.8 (the pinned image), newest 10.x and 11.x
+bindings and understands that gate. Device memory, streams
 and events go through Polygraphy's CUDA runtime wrapper, which needs no PyTorch.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import json
@@ -49,13 +51,14 @@ def _trt():
     return tensorrt
 
 
-def _major() -> int:
-    return trt_plan.trt_major(_trt().__version__)
+def _release() -> tuple[int, int]:
+    major, minor = _trt().__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
-def _since(major: int) -> bool:
+def _since(major: int, minor: int = 0) -> bool:
     """The version gate tests/test_tensorrt_api.py recognises: `if _since(11): ... else: ...`."""
-    return _major() >= major
+    return _release() >= (major, minor)
 
 
 def _logger(errors: list[str]) -> trt.ILogger:
@@ -106,11 +109,19 @@ def _configure(builder: trt.Builder, target: TargetSpec, ranges: list[dict[str, 
     if target.hardware_compatibility == "ampere_plus":
         config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.AMPERE_PLUS
     elif target.hardware_compatibility == "same_compute_capability":
-        config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.SAME_COMPUTE_CAPABILITY
+        if _since(10, 9):
+            config.hardware_compatibility_level = trt.HardwareCompatibilityLevel.SAME_COMPUTE_CAPABILITY
+        else:
+            raise EngineBuildError(f"target {target.name}: hardware_compatibility same_compute_capability needs "
+                                   f"TensorRT 10.9 or newer; this is TensorRT {trt.__version__} (use ampere_plus "
+                                   f"or none, or a newer image)")
     if target.version_compatible:
         config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
-    cache = config.create_timing_cache(timing_cache)
-    config.set_timing_cache(cache, False)
+    if not config.set_timing_cache(config.create_timing_cache(timing_cache), False):
+        # A cache from another device or TensorRT build: start empty rather than build without one.
+        log.warning("TensorRT rejected the saved timing cache (another GPU or TensorRT?); starting an empty one")
+        if not config.set_timing_cache(config.create_timing_cache(b""), False):
+            raise EngineBuildError("TensorRT rejected an empty timing cache")
     for per_input in ranges:
         profile = builder.create_optimization_profile()
         for name, shapes in per_input.items():
@@ -156,12 +167,29 @@ def build_engine(onnx_path: Path, target: TargetSpec, ranges: list[dict[str, trt
     plan = bytes(serialized)
     engine_path.write_bytes(plan)
     runtime = trt.Runtime(logger)
+    if target.version_compatible:
+        runtime.engine_host_code_allowed = True  # a version-compatible plan embeds its lean runtime
     engine = runtime.deserialize_cuda_engine(plan)
     if engine is None:
         raise EngineBuildError(f"TensorRT built {engine_path} but could not deserialize it: {errors}")
     return {"build_seconds": round(build_seconds, 3), "engine_bytes": len(plan),
             "engine_sha256": hashlib.sha256(plan).hexdigest(), "io": _engine_io(engine), "layers": _layers(engine),
-            "timing_cache": bytes(config.get_timing_cache().serialize())}
+            "timing_cache": config}
+
+
+def merge_timing_cache(config: trt.IBuilderConfig, path: Path) -> bytes:
+    """Fold this build's tactics into the cache on disk under a file lock, as Polygraphy does, so
+    concurrent builds on one GPU add to the cache instead of overwriting each other's; return it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        merged = config.create_timing_cache(trt_plan.read_timing_cache(path))
+        if not merged.combine(config.get_timing_cache(), False):
+            log.warning("TensorRT could not merge into the timing cache %s; keeping this build's alone", path.name)
+            merged = config.get_timing_cache()
+        data = bytes(merged.serialize())
+        trt_plan.save_timing_cache(path, data)
+    return data
 
 
 class TensorRTBackend(Backend):
@@ -203,8 +231,7 @@ class TensorRTBackend(Backend):
         cache_path = trt_plan.timing_cache_path(cache_dir, gpu, version)
         before = trt_plan.read_timing_cache(cache_path)
         built = build_engine(onnx_path, target, ranges, out_dir / ENGINE_FILE, before)
-        after = built.pop("timing_cache")
-        trt_plan.save_timing_cache(cache_path, after)
+        after = merge_timing_cache(built.pop("timing_cache"), cache_path)
         shutil.copyfile(cache_path, out_dir / trt_plan.TIMING_CACHE_COPY)
         sidecar = {"tensorrt_version": version, **gpu.facts(), "target": target.name, "target_arch": target.arch,
                    "hardware_compatibility": target.hardware_compatibility,
@@ -250,6 +277,40 @@ class _CudaEvents:
             self._cuda.check(self._cuda.handle.cudaEventDestroy(event))
 
 
+def _output_allocator(cuda: Any) -> Any:
+    """Device buffers for outputs whose shape is known only once the engine has run (NonZero and
+    other data-dependent shapes): TensorRT asks this object for memory and reports the shape."""
+    trt = _trt()
+
+    class OutputAllocator(trt.IOutputAllocator):
+        def __init__(self) -> None:
+            trt.IOutputAllocator.__init__(self)
+            self.buffers: dict[str, Any] = {}
+            self.shapes: dict[str, tuple[int, ...]] = {}
+
+        def reallocate_output(self, tensor_name: str, memory: int, size: int, alignment: int) -> int:
+            buffer = self.buffers.get(tensor_name)
+            if buffer is None:
+                buffer = self.buffers[tensor_name] = cuda.DeviceArray.raw((max(size, 1),))
+            elif buffer.nbytes < size:
+                buffer.resize((size,))
+            return buffer.ptr
+
+        def reallocate_output_async(self, tensor_name: str, memory: int, size: int, alignment: int,
+                                    stream: int) -> int:
+            return self.reallocate_output(tensor_name, memory, size, alignment)
+
+        def notify_shape(self, tensor_name: str, shape: Any) -> None:
+            self.shapes[tensor_name] = tuple(shape)
+
+        def free(self) -> None:
+            for buffer in self.buffers.values():
+                buffer.free()
+            self.buffers.clear()
+
+    return OutputAllocator()
+
+
 class TensorRTRunner(Runner):
     """A deserialized engine on the name-based tensor API (set_input_shape, set_tensor_address, execute_async_v3)."""
 
@@ -277,6 +338,8 @@ class TensorRTRunner(Runner):
         self._profile = 0
         self._device: dict[str, Any] = {}
         self._host: dict[str, np.ndarray] = {}
+        self._allocator = _output_allocator(cuda)
+        self._data_dependent: set[str] = set()
 
     def _buffer(self, name: str, nbytes: int) -> int:
         if name not in self._device:
@@ -299,42 +362,60 @@ class TensorRTRunner(Runner):
             self._context.set_tensor_address(name, self._buffer(name, host.nbytes))
         for name in self.output_names:
             shape = tuple(self._context.get_tensor_shape(name))
+            if any(d < 0 for d in shape):  # known only after the run: TensorRT asks the allocator
+                self._data_dependent.add(name)
+                self._context.set_output_allocator(name, self._allocator)
+                continue
             host = np.empty(shape, dtype=trt_plan.host_storage(self._dtypes[name]))
             self._host[name] = host
             self._context.set_tensor_address(name, self._buffer(name, host.nbytes))
 
-    def _enqueue(self) -> None:
-        """Inputs in, run, outputs out: all on one stream, which is what a served request costs."""
-        copy = self._cuda.wrapper().memcpy
-        kinds = self._cuda.MemcpyKind
+    def _copy_inputs(self) -> None:
+        copy, kinds = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind
         for name in self.input_names:
             host = self._host[name]
             copy(self._device[name].ptr, host.ctypes.data, host.nbytes, kinds.HostToDevice, self._stream.ptr)
+
+    def _execute(self) -> None:
         if not self._context.execute_async_v3(self._stream.ptr):
             raise RuntimeError(f"TensorRT execute_async_v3 failed: {self._errors}")
+
+    def _copy_outputs(self) -> None:
+        """After the stream is synchronized: data-dependent shapes are known only then."""
+        copy, kinds = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind
         for name in self.output_names:
-            host = self._host[name]
-            copy(host.ctypes.data, self._device[name].ptr, host.nbytes, kinds.DeviceToHost, self._stream.ptr)
+            if name in self._data_dependent:
+                host = np.empty(self._allocator.shapes[name], dtype=trt_plan.host_storage(self._dtypes[name]))
+                self._host[name] = host
+                source = self._allocator.buffers[name].ptr
+            else:
+                host, source = self._host[name], self._device[name].ptr
+            copy(host.ctypes.data, source, host.nbytes, kinds.DeviceToHost, self._stream.ptr)
+        self._stream.synchronize()
 
     def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self._stage(feeds)
-        self._enqueue()
+        self._copy_inputs()
+        self._execute()
         self._stream.synchronize()
+        self._copy_outputs()
         return {name: trt_plan.from_bfloat16_bits(self._host[name]) if self._dtypes[name] == "bfloat16"
                 else self._host[name].copy() for name in self.output_names}
 
     def time_ms(self, feeds: dict[str, np.ndarray], warmup: int, repeats: int) -> list[float]:
-        """CUDA-event latencies of copy-in + execute + copy-out per call, after `warmup` untimed calls."""
+        """CUDA-event latencies of the engine alone, inputs and outputs staying on the device: timed
+        as the eager reference is (tasks/gpu_measure.py), so no pageable host copy sits in either."""
         self._stage(feeds)
+        self._copy_inputs()
         for _ in range(warmup):
-            self._enqueue()
+            self._execute()
         self._stream.synchronize()
         events = _CudaEvents()
         samples = []
         try:
             for _ in range(repeats):
                 events.record(events.start, self._stream.ptr)
-                self._enqueue()
+                self._execute()
                 events.record(events.end, self._stream.ptr)
                 samples.append(events.elapsed_ms())
         finally:
@@ -345,6 +426,7 @@ class TensorRTRunner(Runner):
         for array in self._device.values():
             array.free()
         self._device.clear()
+        self._allocator.free()
         self._host.clear()
         if self._stream is not None:
             self._stream.free()

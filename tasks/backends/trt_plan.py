@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tasks import gpu
+from tasks.gpu import GpuInfo
 from tasks.spec import ProfileSpec, TargetSpec
 
 SIDECAR = "engine.json"
@@ -36,24 +35,6 @@ ShapeRange = dict[str, tuple[int, ...]]  # {"min": shape, "opt": shape, "max": s
 
 class EngineMismatch(RuntimeError):
     """An engine was built for another GPU or TensorRT; loading it would fail or be wrong."""
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    name: str
-    compute_capability: tuple[int, int]
-    driver: str
-
-    @property
-    def cc(self) -> str:
-        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
-
-    @property
-    def arch(self) -> str:
-        return arch_name(self.compute_capability)
-
-    def facts(self) -> dict[str, str]:
-        return {"compute_capability": self.cc, "arch": self.arch, "gpu_name": self.name, "driver": self.driver}
 
 
 def parse_arch(arch: str) -> tuple[int, int]:
@@ -77,31 +58,9 @@ def trt_major(version: str) -> int:
     return int(version.split(".")[0])
 
 
-def parse_nvidia_smi(text: str) -> list[GpuInfo]:
-    """Rows of `nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader`."""
-    gpus = []
-    for line in text.strip().splitlines():
-        name, cc, driver = (part.strip() for part in line.rsplit(",", 2))
-        major, minor = cc.split(".")
-        gpus.append(GpuInfo(name, (int(major), int(minor)), driver))
-    return gpus
-
-
 def detect_gpu() -> GpuInfo | None:
-    """The GPU a CUDA program here would use first (honours CUDA_VISIBLE_DEVICES), or None."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    if visible in ("", "-1", "NoDevFiles"):
-        return None
-    try:
-        out = subprocess.run([smi, "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader",
-                              "-i", visible], capture_output=True, text=True, timeout=30, check=True).stdout
-        gpus = parse_nvidia_smi(out)
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-    return gpus[0] if gpus else None
+    """CUDA device 0 as TensorRT will use it (tasks.gpu applies CUDA's order and CUDA_VISIBLE_DEVICES)."""
+    return gpu.detect_gpu()
 
 
 def build_problem(target: TargetSpec, gpu: GpuInfo | None) -> str | None:

@@ -1,0 +1,394 @@
+"""PyTorch Inductor engines, built from the HF model itself with torch.export (no ONNX on this path).
+
+An engine directory holds:
+- `prefill.pt2`: the forward over a whole prompt, dynamic in batch and sequence (decoders return
+  the next-token logits of the last position, encoders the last hidden state);
+- `decode.pt2` (Llama-family decoders, format `compiled`): one decode step over a static KV cache
+  (tasks/backends/static_decoder.py), replayed with CUDA graphs on a GPU;
+- format `compiled`: those are exported programs, and `compile_cache.bin` holds Inductor's compile
+  artifacts (torch.compiler.save_cache_artifacts), so loading compiles from the cache instead of
+  autotuning again. This is the format that runs where AOTInductor's loader does not;
+- format `aoti`: `prefill.pt2` is an AOTInductor package, loaded without compiling;
+- `engine.json`: what the engine is tied to (GPU, driver, torch/CUDA/Triton versions) and what
+  building it cost (export and compile seconds, cache bytes).
+
+Compiled kernels are for one GPU arch and one torch build: an engine is refused elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tasks.backends.base import Backend, BackendUnavailable, Runner
+from tasks.gpu import GpuInfo, detect_gpu
+from tasks.spec import InductorTarget, ProfileSpec, TargetSpec
+
+PREFILL = "prefill.pt2"
+DECODE = "decode.pt2"
+COMPILE_CACHE = "compile_cache.bin"
+SIDECAR = "engine.json"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+CAUSAL_TASKS = ("text-generation", "text-generation-with-past")
+
+
+class EngineMismatch(RuntimeError):
+    """The engine was compiled for another GPU arch or torch build."""
+
+
+def versions() -> dict[str, str]:
+    """torch, CUDA and Triton versions: a compiled engine and its cache are valid for exactly these."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    return {"torch": torch.__version__, "cuda": torch.version.cuda or "none", "triton": triton_version}
+
+
+def load_problem(sidecar: dict[str, Any], gpu: GpuInfo | None, here: dict[str, str]) -> str | None:
+    """Why this machine must not load the engine `sidecar` describes, or None."""
+    built_on = sidecar.get("gpu")
+    if built_on:
+        where = (f"built for {built_on['arch']} ({built_on['gpu_name']}, "
+                 f"compute capability {built_on['compute_capability']})")
+        if gpu is None:
+            return f"inductor engine {where} needs that GPU; no CUDA GPU is visible here"
+        if gpu.cc != built_on["compute_capability"]:
+            return (f"inductor engine {where} cannot run on {gpu.name} (compute capability {gpu.cc}): its kernels "
+                    f"are compiled for one arch; rebuild the target on a {built_on['arch']} GPU")
+    built_torch = sidecar["versions"]["torch"]
+    if built_torch != here["torch"]:
+        return (f"inductor engine was compiled with torch {built_torch}; this machine has torch {here['torch']}: "
+                f"rebuild it with this torch")
+    return None
+
+
+def _load_model(model_dir: Path, task: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    loader = AutoModelForCausalLM if task in CAUSAL_TASKS else AutoModel
+    model = loader.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device).eval()
+
+
+class PrefillGraph(torch.nn.Module):
+    """The HF model over a whole prompt: next-token logits of the last position, or the last hidden state."""
+
+    def __init__(self, model: torch.nn.Module, causal: bool):
+        super().__init__()
+        self.model, self.causal = model, causal
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.causal:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+            return out.logits[:, -1]
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def _exportable_masks(model: torch.nn.Module) -> None:
+    """Build attention masks without vmap where transformers still uses it (4.x): a vmapped mask
+    exports, but the exported program cannot be saved (its flat_apply node does not serialize)."""
+    try:
+        from transformers.integrations.executorch import sdpa_mask_without_vmap
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        return
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_without_vmap", sdpa_mask_without_vmap)
+    ALL_ATTENTION_FUNCTIONS.register("sdpa_without_vmap", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    model.config._attn_implementation = "sdpa_without_vmap"
+
+
+def export_prefill(model: torch.nn.Module, causal: bool, batch: int, seq: int) -> torch.export.ExportedProgram:
+    """Export with batch and sequence dynamic (Dim.AUTO: named ranges hit guards Llama's attention adds)."""
+    _exportable_masks(model)
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+    with torch.no_grad():
+        feeds = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        return torch.export.export(PrefillGraph(model, causal), (), feeds,
+                                   dynamic_shapes={"input_ids": auto, "attention_mask": auto}, strict=False)
+
+
+def export_decode(model: torch.nn.Module, dtype: torch.dtype) -> torch.export.ExportedProgram:
+    """Export the static-cache decode step, dynamic in batch and cache length."""
+    from tasks.backends.static_decoder import StaticDecoder, empty_cache
+
+    device = next(model.parameters()).device
+    step = StaticDecoder(model).eval()
+    k, v = empty_cache(model.config, 2, 32, dtype, device)
+    tokens = torch.zeros(2, 1, dtype=torch.long, device=device)
+    auto = torch.export.Dim.AUTO
+    cache_dims = [{0: auto, 2: auto} for _ in k]
+    with torch.no_grad():
+        return torch.export.export(step, (tokens, torch.tensor(3, device=device), k, v),
+                                   dynamic_shapes=({0: auto}, None, cache_dims, cache_dims), strict=False)
+
+
+def _compile_options(target: InductorTarget, decode: bool) -> dict[str, Any]:
+    """Inductor options: the target's compile mode for the prefill; the decode step is never autotuned
+    (it reads weights, so cuBLAS is within a few percent of the best template, and autotuning 1B
+    parameters' worth of shapes per batch size cost minutes on an H200) and is replayed with CUDA
+    graphs where the target asks."""
+    autotune = target.compile_mode.startswith("max-autotune") and not decode
+    return {"max_autotune": autotune, "triton.cudagraphs": decode and target.cuda_graphs and target.device == "cuda"}
+
+
+class _CachedStep(torch.nn.Module):
+    """The decode step with its KV cache at fixed addresses, which CUDA-graph replay needs."""
+
+    def __init__(self, step: torch.nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        super().__init__()
+        self.step = step
+        for name, caches in (("k", k_caches), ("v", v_caches)):
+            for i, cache in enumerate(caches):
+                self.register_buffer(f"{name}{i}", cache)
+                torch._dynamo.mark_static_address(cache)
+        self.layers = len(k_caches)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.step(tokens, pos, [getattr(self, f"k{i}") for i in range(self.layers)],
+                         [getattr(self, f"v{i}") for i in range(self.layers)])
+
+
+class DecodeSession:
+    """`batch` sequences decoding together: step(tokens [B,1], pos) -> logits [B,V] of the next token."""
+
+    def __init__(self, step: torch.nn.Module, config: Any, batch: int, max_len: int, dtype: torch.dtype,
+                 device: str):
+        from tasks.backends.static_decoder import empty_cache
+
+        self.batch, self.max_len = batch, max_len
+        self.module = _CachedStep(step, *empty_cache(config, batch, max_len, dtype, device))
+        self._step = self.module
+        self._pos = torch.zeros((), dtype=torch.long, device=device)
+
+    def compile(self, options: dict[str, Any]) -> None:
+        self._step = torch.compile(self.module, options=options, dynamic=False)
+
+    def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        if not 0 <= pos < self.max_len:
+            raise ValueError(f"position {pos} is outside this session's cache of {self.max_len} tokens")
+        self._pos.fill_(pos)
+        with torch.no_grad():
+            return self._step(tokens, self._pos)
+
+
+class InductorRunner(Runner):
+    """A loaded inductor engine; `infer` runs the prefill graph, `decoder()` opens decode sessions."""
+
+    def __init__(self, engine_dir: Path, target: InductorTarget, sidecar: dict[str, Any]):
+        self.sidecar = sidecar
+        self.target = target
+        self.device = target.device
+        self.dtype = DTYPES[sidecar["precision"]]
+        self.causal = sidecar["causal"]
+        self.input_names = ["input_ids", "attention_mask"]
+        self.output_names = ["logits" if self.causal else "last_hidden_state"]
+        started = time.perf_counter()
+        if sidecar["format"] == "aoti":
+            self._prefill = torch._inductor.aoti_load_package(str(engine_dir / PREFILL))
+            self._decode_graph = None
+        else:
+            cache = engine_dir / COMPILE_CACHE
+            if cache.is_file():
+                torch.compiler.load_cache_artifacts(cache.read_bytes())
+            prefill = torch.export.load(str(engine_dir / PREFILL)).module()
+            self._prefill = torch.compile(prefill, options=_compile_options(target, decode=False))
+            self._decode_graph = (torch.export.load(str(engine_dir / DECODE)).module()
+                                  if (engine_dir / DECODE).is_file() else None)
+        self.load_seconds = time.perf_counter() - started
+        self._config = _Config(sidecar["decoder_config"]) if sidecar.get("decoder_config") else None
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Device-resident in and out: what the benchmark times."""
+        with torch.no_grad():
+            return self._prefill(input_ids=input_ids, attention_mask=attention_mask)
+
+    def _device_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        missing = [n for n in self.input_names if n not in feeds]
+        if missing:
+            raise KeyError(f"inductor engine needs inputs {self.input_names}; missing {missing}")
+        return {n: torch.as_tensor(np.asarray(feeds[n], dtype=np.int64), device=self.device) for n in self.input_names}
+
+    def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = self.prefill(**self._device_feeds(feeds))
+        return {self.output_names[0]: out.float().cpu().numpy()}
+
+    def time_ms(self, feeds: dict[str, np.ndarray], warmup: int, repeats: int) -> list[float]:
+        """CUDA-event latencies of the prefill with inputs and outputs on the device (host clock on a CPU)."""
+        on_device = self._device_feeds(feeds)
+        if self.device != "cuda":
+            return super().time_ms(feeds, warmup, repeats)
+        from tasks.gpu_measure import cuda_times_ms
+
+        return cuda_times_ms(lambda: self.prefill(**on_device), warmup, repeats)
+
+    def decoder(self, batch: int, max_len: int) -> DecodeSession:
+        """A decode session over a fresh cache; compiled (with CUDA graphs where the target asks) on first step."""
+        if self._decode_graph is None or self._config is None:
+            raise BackendUnavailable("this inductor engine has no decode-step graph (encoders, format aoti, or an "
+                                     "architecture the static decoder does not cover)")
+        session = DecodeSession(self._decode_graph, self._config, batch, max_len, self.dtype, self.device)
+        session.compile(_compile_options(self.target, decode=True))
+        return session
+
+
+class _Config:
+    """The few config fields a KV cache's shape needs, from the sidecar (no transformers import at load)."""
+
+    def __init__(self, fields: dict[str, int]):
+        self.__dict__.update(fields)
+
+
+def _decoder_config(config: Any) -> dict[str, int]:
+    heads = config.num_attention_heads
+    return {"num_hidden_layers": config.num_hidden_layers, "num_attention_heads": heads,
+            "num_key_value_heads": config.num_key_value_heads or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+            "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
+
+
+def warm_shapes(profiles: list[ProfileSpec]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """What a build compiles ahead. Prefill: each prompt profile's opt (batch, seq), a prompt profile
+    being one without `past` (all profiles if none is). Decode: each profile with `past`, at its min
+    and max batch, with a cache of its max past plus its max new tokens."""
+    prompt = [p for p in profiles if p.past is None] or profiles
+    prefill = sorted({(p.batch[1], p.seq[1]) for p in prompt})
+    decode = sorted({(b, p.past[2] + p.seq[2]) for p in profiles if p.past is not None
+                     for b in (p.batch[0], p.batch[2])})
+    return prefill, decode
+
+
+def warm_up(runner: InductorRunner, prefill_shapes: list[tuple[int, int]],
+            decode_shapes: list[tuple[int, int]], vocab: int) -> None:
+    """Compile every graph the engine will be asked for, by running each once."""
+    for batch, seq in prefill_shapes:
+        ids = torch.randint(0, vocab, (batch, seq), device=runner.device)
+        runner.prefill(ids, torch.ones_like(ids))
+    if runner._decode_graph is not None:
+        for batch, max_len in decode_shapes:
+            session = runner.decoder(batch, max_len)
+            tokens = torch.randint(0, vocab, (batch, 1), device=runner.device)
+            for pos in range(3):  # CUDA-graph trees record on the second call, replay from the third
+                session.step(tokens, pos)
+    if runner.device == "cuda":
+        torch.cuda.synchronize()
+
+
+class InductorBackend(Backend):
+    name = "inductor"
+    engine_file = PREFILL
+
+    def missing(self, target: TargetSpec) -> str | None:
+        assert isinstance(target, InductorTarget)
+        if target.device == "cpu":
+            return None
+        if not torch.cuda.is_available():
+            return (f"target {target.name} needs a CUDA GPU ({target.arch}); this torch "
+                    f"({torch.__version__}) sees none")
+        gpu = detect_gpu()
+        if gpu is None or gpu.arch != target.arch:
+            found = f"{gpu.name} ({gpu.arch})" if gpu else "no GPU"
+            return f"target {target.name} is for {target.arch}; this machine has {found}"
+        return None
+
+    def version(self) -> str:
+        return torch.__version__
+
+    def hardware(self, target: TargetSpec) -> dict[str, Any]:
+        """GPU facts for a cuda target (kernels are per arch), the CPU ISA for a cpu target."""
+        assert isinstance(target, InductorTarget)
+        if target.device == "cuda":
+            gpu = detect_gpu()
+            return gpu.facts() if gpu else {}
+        return {"machine": platform.machine()}
+
+    def source_model(self, precision_dir: Path) -> Path:
+        raise TypeError("the inductor backend builds from the HF model directory (source 'torch'), not ONNX: "
+                        "call build_from_model")
+
+    def build(self, onnx_path: Path, target: TargetSpec, profiles: list[ProfileSpec], out_dir: Path,
+              cache_dir: Path) -> dict[str, Any]:
+        raise TypeError("the inductor backend builds from the HF model directory (source 'torch'), not "
+                        f"{onnx_path.name}: call build_from_model")
+
+    def build_from_model(self, model_dir: Path, task: str, precision: str, target: TargetSpec,
+                         profiles: list[ProfileSpec], out_dir: Path) -> dict[str, Any]:
+        """Export, compile and save the engine; return facts for the manifest (also written to engine.json)."""
+        assert isinstance(target, InductorTarget)
+        problem = self.missing(target) or target.precision_problem(precision)
+        if precision not in DTYPES:
+            problem = problem or f"inductor builds {', '.join(DTYPES)} here; {precision} is not built yet"
+        if problem:
+            raise BackendUnavailable(problem)
+        from tasks.backends.static_decoder import unsupported
+
+        dtype, device = DTYPES[precision], target.device
+        causal = task in CAUSAL_TASKS
+        started = time.perf_counter()
+        model = _load_model(model_dir, task, dtype, device)
+        prefill_shapes, decode_shapes = warm_shapes(profiles)
+        batch, seq = max(prefill_shapes)
+        prefill_program = export_prefill(model, causal, max(batch, 2), max(seq, 2))
+        has_decode = causal and target.format == "compiled" and unsupported(model.config) is None
+        decode_program = export_decode(model, dtype) if has_decode else None
+        export_seconds = time.perf_counter() - started
+        gpu = detect_gpu() if device == "cuda" else None
+        sidecar: dict[str, Any] = {
+            "format": target.format, "precision": precision, "task": task, "causal": causal, "device": device,
+            "target": target.name, "gpu": gpu.facts() if gpu else None, "versions": versions(),
+            "compile_mode": target.compile_mode, "cuda_graphs": target.cuda_graphs,
+            "decoder_config": _decoder_config(model.config) if has_decode else None,
+            "warm_shapes": {"prefill": prefill_shapes, "decode": decode_shapes if has_decode else []}}
+        compile_started = time.perf_counter()
+        if target.format == "aoti":
+            torch._inductor.aoti_compile_and_package(prefill_program, package_path=str(out_dir / PREFILL))
+            cache_bytes = 0
+        else:
+            torch.export.save(prefill_program, str(out_dir / PREFILL))
+            if decode_program is not None:
+                torch.export.save(decode_program, str(out_dir / DECODE))
+            del model, prefill_program, decode_program
+            torch.compiler.reset()
+            runner = InductorRunner(out_dir, target, sidecar)
+            warm_up(runner, prefill_shapes, decode_shapes if has_decode else [], self._vocab(model_dir))
+            artifacts = torch.compiler.save_cache_artifacts()
+            if artifacts is None:
+                raise RuntimeError("torch.compiler.save_cache_artifacts() returned nothing after compiling")
+            (out_dir / COMPILE_CACHE).write_bytes(artifacts[0])
+            cache_bytes = len(artifacts[0])
+        sidecar.update({"export_seconds": round(export_seconds, 3),
+                        "compile_seconds": round(time.perf_counter() - compile_started, 3),
+                        "cache_bytes": cache_bytes})
+        engine_bytes = sum((out_dir / f).stat().st_size for f in (PREFILL, DECODE) if (out_dir / f).is_file())
+        sidecar["engine_bytes"] = engine_bytes
+        (out_dir / SIDECAR).write_text(json.dumps(sidecar, indent=2))
+        return {"backend": self.name, "backend_version": self.version(), "engine_file": PREFILL,
+                "engine_bytes": engine_bytes, "sidecar": SIDECAR, **{k: sidecar[k] for k in (
+                    "format", "gpu", "versions", "export_seconds", "compile_seconds", "cache_bytes")}}
+
+    @staticmethod
+    def _vocab(model_dir: Path) -> int:
+        return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+    def load(self, engine_dir: Path, target: TargetSpec) -> InductorRunner:
+        assert isinstance(target, InductorTarget)
+        try:
+            sidecar = json.loads((engine_dir / SIDECAR).read_text())
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError(f"inductor engine {engine_dir}: cannot read {SIDECAR}: {e}") from e
+        problem = load_problem(sidecar, detect_gpu() if sidecar.get("gpu") else None, versions())
+        if problem:
+            raise EngineMismatch(problem)
+        return InductorRunner(engine_dir, target, sidecar)

@@ -1,0 +1,118 @@
+"""The inductor backend without a GPU: its table entry, refusals, the decode-step graph, AOTInductor on the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tasks.backends.base import BackendUnavailable, get_backend
+from tasks.backends.inductor import (DecodeSession, EngineMismatch, InductorBackend, export_decode, load_problem,
+                                     versions, warm_shapes)
+from tasks.backends.static_decoder import StaticDecoder, empty_cache
+from tasks.backends.table import BACKENDS
+from tasks.gpu import GpuInfo
+from tasks.spec import InductorTarget, ProfileSpec
+
+H200 = GpuInfo("NVIDIA H200", (9, 0), "580.159.04")
+A100 = GpuInfo("NVIDIA A100-SXM4-80GB", (8, 0), "580.159.04")
+SIDECAR = {"gpu": H200.facts(), "versions": {"torch": "2.11.0+cu130", "cuda": "13.0", "triton": "3.6.0"}}
+
+
+@pytest.fixture(scope="module")
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, rope_scaling={
+                             "rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 64})
+    config.architectures = ["LlamaForCausalLM"]
+    return LlamaForCausalLM(config).eval()
+
+
+def test_the_table_loads_the_inductor_backend_built_from_torch() -> None:
+    assert BACKENDS["inductor"].source == "torch"
+    backend = get_backend("inductor")
+    assert isinstance(backend, InductorBackend) and backend.version() == torch.__version__
+    with pytest.raises(TypeError, match="builds from the HF model directory .* build_from_model"):
+        backend.build(Path("model.onnx"), None, [], Path("."), Path("."))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_cuda_target_is_refused_without_a_gpu() -> None:
+    target = InductorTarget(name="h200", backend="inductor", arch="sm90")
+    assert "needs a CUDA GPU (sm90)" in InductorBackend().missing(target)
+    with pytest.raises(BackendUnavailable, match="needs a CUDA GPU"):
+        InductorBackend().build_from_model(Path("."), "text-generation", "bf16", target, [], Path("."))
+
+
+def test_an_engine_is_refused_on_another_arch_or_torch() -> None:
+    here = {**SIDECAR["versions"]}
+    assert load_problem(SIDECAR, H200, here) is None
+    problem = load_problem(SIDECAR, A100, here)
+    assert problem == ("inductor engine built for sm90 (NVIDIA H200, compute capability 9.0) cannot run on "
+                       "NVIDIA A100-SXM4-80GB (compute capability 8.0): its kernels are compiled for one arch; "
+                       "rebuild the target on a sm90 GPU")
+    assert "no CUDA GPU is visible here" in load_problem(SIDECAR, None, here)
+    assert "compiled with torch 2.11.0+cu130; this machine has torch 2.13.0" in load_problem(
+        SIDECAR, H200, {**here, "torch": "2.13.0"})
+
+
+def test_loading_a_gpu_engine_here_says_why_it_cannot(tmp_path: Path) -> None:
+    (tmp_path / "engine.json").write_text(json.dumps({**SIDECAR, "versions": versions()}))
+    target = InductorTarget(name="h200", backend="inductor", arch="sm90")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the refusal on another arch is tested in tests/test_inductor_gpu.py")
+    with pytest.raises(EngineMismatch, match="built for sm90 .* no CUDA GPU is visible here"):
+        InductorBackend().load(tmp_path, target)
+
+
+def test_warm_shapes_come_from_prompt_and_decode_profiles() -> None:
+    profiles = [ProfileSpec(batch=[1, 8, 8], seq=[1, 512, 512]),
+                ProfileSpec(batch=[1, 1, 64], seq=[1, 1, 16], past=[0, 512, 512])]
+    assert warm_shapes(profiles) == ([(8, 512)], [(1, 528), (64, 528)])
+
+
+def test_the_exported_decode_step_computes_the_hf_model(llama: LlamaForCausalLM) -> None:
+    """Token by token through the saved-format graph, any batch and cache length, equals one HF forward."""
+    step = export_decode(llama, torch.float32).module()
+    ids = torch.randint(0, 256, (3, 10))
+    expected = llama(ids).logits
+    session = DecodeSession(step, llama.config, batch=3, max_len=16, dtype=torch.float32, device="cpu")
+    got = torch.stack([session.step(ids[:, i:i + 1], i) for i in range(10)], dim=1)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="position 16 is outside this session's cache of 16 tokens"):
+        session.step(ids[:, :1], 16)
+
+
+def test_the_decode_step_writes_only_its_position(llama: LlamaForCausalLM) -> None:
+    k, v = empty_cache(llama.config, 2, 8, torch.float32, "cpu")
+    before = [t.clone() for t in k]
+    StaticDecoder(llama)(torch.tensor([[5], [7]]), torch.tensor(3), k, v)
+    for old, new in zip(before, k):
+        changed = (old != new).any(dim=(0, 1, 3))
+        assert changed.tolist() == [False, False, False, True, False, False, False, False]
+
+
+def test_aoti_package_builds_and_loads_on_the_cpu(llama: LlamaForCausalLM, tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    llama.save_pretrained(model_dir)
+    target = InductorTarget(name="cpu-pt", backend="inductor", device="cpu", format="aoti", compile_mode="default")
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    backend = InductorBackend()
+    facts = backend.build_from_model(model_dir, "text-generation", "fp32", target,
+                                     [ProfileSpec(batch=[1, 2, 4], seq=[1, 8, 16])], engine)
+    assert facts["format"] == "aoti" and facts["engine_bytes"] == (engine / "prefill.pt2").stat().st_size
+    runner = backend.load(engine, target)
+    ids = np.random.default_rng(0).integers(0, 256, (3, 12))
+    got = runner.infer({"input_ids": ids, "attention_mask": np.ones_like(ids)})["logits"]
+    expected = llama(torch.as_tensor(ids)).logits[:, -1].detach().numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(BackendUnavailable, match="no decode-step graph"):
+        runner.decoder(1, 8)
