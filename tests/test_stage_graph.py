@@ -157,4 +157,7 @@ def test_plan_lists_the_stages_a_run_executes_with_a_torch_source_target(
                  "--artifacts", str(store.root)]) == 0
     [rerun] = json.loads(capsys.readouterr().out)["candidates"]
     assert "repaired" in rerun["stages"]["build"] and not rerun["stages"]["build"]["cached"]
-    assert rerun["stages"]["accuracy"]["cached"]
+    [aside] = (build_dir.parent / CORRUPT_DIR).glob(f"{engine['key']}-*")
+    files = [json.loads((d / "manifest.json").read_text())["files"] for d in (aside, build_dir)]
+    assert rerun["stages"]["accuracy"]["cached"] == (files[0] == files[1]), \
+        "the engine is judged again exactly when the rebuilt one differs from the one judged before"
