@@ -45,6 +45,7 @@ benchmark: setup
 	$(BIN)/python benchmarks/decision_stability.py
 	$(BIN)/python benchmarks/warm_rerun.py
 	$(BIN)/python benchmarks/int8_cpu_formats.py
+	$(BIN)/python benchmarks/promotion_overhead.py --pipeline minilm
 
 clean:
 	rm -rf artifacts/*/ mlruns mlflow.db

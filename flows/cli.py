@@ -159,18 +159,35 @@ def cmd_run(args: argparse.Namespace) -> int:
                      + ("" if args.verbose else f"; library output in {log_path}"))
     # stdout is the summary's: libraries' prints go to stderr (--verbose) or the log file
     quieted = contextlib.redirect_stdout(sys.stderr) if args.verbose else progress.captured_output(log_path)
-    with quieted:
+    from flows.prefect_server import owned_server
+
+    with quieted, owned_server():
         summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
                                  targets=args.target or None, force=args.force, artifacts=args.artifacts,
                                  allow_outside_paths=args.allow_outside_paths)
     if not args.verbose:  # Prefect says goodbye to its temporary server at exit, past the capture
         logging.getLogger("prefect").setLevel(logging.WARNING)
     failed = [s for s in summaries if s["status"] == "failed" or s["error"]]
+    pending = pending_events(summaries)
     if args.json:
-        print(json.dumps({"file": args.file, "ok": not failed, "candidates": summaries}, indent=2, default=str))
+        print(json.dumps({"file": args.file, "ok": not failed, "events_pending": pending, "candidates": summaries},
+                         indent=2, default=str))
     else:
         print(summary_table(summaries, specs))
+        if pending:
+            print(f"{len(pending)} promotion event(s) still pending: "
+                  + ", ".join(f"{e['registered_model']} v{e['version']} to {e['url']}" for e in pending)
+                  + "; they are sent again by the next run or `smelter notify --retry`")
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def pending_events(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This run's webhook deliveries that did not get through yet (one per event and webhook)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for summary in summaries:
+        for delivery in summary.get("events") or []:
+            seen[delivery["delivery_id"]] = delivery
+    return [d for d in seen.values() if d["status"] == "pending"]
 
 
 def _reason(summary: dict[str, Any]) -> str:
@@ -246,7 +263,7 @@ def cmd_notify(args: argparse.Namespace) -> int:
     results = retry_pending(_selected(_load(args), args))
     for r in results:
         print(json.dumps(r, default=str))
-    return EXIT_FAILED if any(r.get("status") not in ("delivered", "abandoned") for r in results) else EXIT_OK
+    return EXIT_FAILED if any(r.get("status") in ("pending", "failed") for r in results) else EXIT_OK
 
 
 def cmd_webhooks(args: argparse.Namespace) -> int:

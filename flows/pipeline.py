@@ -165,6 +165,7 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
             benchmark_target(spec, target, outcomes, champions[target], store, force)
         outcomes = [_judge_and_track(spec, o, parent_run_id) for o in outcomes]
         outcomes = decide.decide(spec, outcomes, champions)
+        deliveries: list[dict[str, Any]] = []
         try:
             outcomes = promote_task(spec, outcomes)
         except Exception as e:  # noqa: BLE001 - promotion rolled back: its candidates failed, the alias did not move
@@ -172,7 +173,7 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
                 if outcome.status == "passed":
                     _fail(outcome, "promote", e)
         else:
-            _after_promotion(spec, outcomes)
+            deliveries = _after_promotion(spec, outcomes)
             events.announce_promotions(outcomes)
         for outcome in outcomes:
             if outcome.run_id:
@@ -180,7 +181,14 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
             progress.candidate_done(outcome.candidate.name, outcome.status, [outcome.reason] if outcome.reason else [])
         tracking.describe_pipeline_run(parent_run_id, outcomes)
     _publish(pipeline, outcomes)
-    return [o.summary() for o in outcomes]
+    return [o.summary() | {"events": _events_of(o, deliveries)} for o in outcomes]
+
+
+def _events_of(outcome: CandidateOutcome, deliveries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This run's deliveries of the events of the candidate's registry version (promotion or reconciliation)."""
+    return [d for d in deliveries
+            if outcome.model_name and (d["registered_model"], d["version"]) == (outcome.model_name,
+                                                                                  outcome.model_version)]
 
 
 def _publish(pipeline: str, outcomes: list[CandidateOutcome]) -> None:
@@ -195,18 +203,23 @@ def _publish(pipeline: str, outcomes: list[CandidateOutcome]) -> None:
                           description=f"Candidates of pipeline {pipeline}: status, key metrics, gate reasons")
 
 
-def _after_promotion(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> None:
-    """Package and announce. The alias has moved by now, so a failure here is reported on the promoted
-    candidates without undoing their promotion; an unsent event stays pending for `smelter notify --retry`."""
+def _after_promotion(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[dict[str, Any]]:
+    """Package and announce; returns the webhook deliveries. The alias has moved by now, so a failure here
+    is reported on the promoted candidates without undoing their promotion; an unsent event stays
+    pending for the next run or `smelter notify --retry`."""
+    deliveries: list[dict[str, Any]] = []
     for stage, stage_task in (("package", package_task), ("notify", notify_task)):
         try:
-            stage_task(spec, outcomes)
+            done = stage_task(spec, outcomes)
+            if stage == "notify":
+                deliveries = done
         except Exception as e:  # noqa: BLE001 - see the docstring
             progress.stage_failed("promotion", stage, f"{type(e).__name__}: {e}")
             for outcome in outcomes:
                 if outcome.status == "promoted":
                     outcome.failed_stage = stage
                     outcome.error = f"{stage} failed after promotion: {type(e).__name__}: {e}"
+    return deliveries
 
 
 def _fail(outcome: CandidateOutcome, stage: str, error: Exception) -> None:

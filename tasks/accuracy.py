@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from tasks import killpoints
 from tasks.backends.base import Runner
 from tasks.build import open_engine
 from tasks.inputs import decoder_feeds, encoder_feeds, point_feeds, read_texts, reference_outputs
@@ -60,6 +61,7 @@ def accuracy_work(spec: PipelineSpec, build_result: StageResult, store: Artifact
             else:
                 table, metrics = _encoder_accuracy(spec, engine, tokenizer, reference, texts, batch)
             table.to_csv(w.dir / PER_SAMPLE, index=False)
+            killpoints.reach("accuracy")
             w.outputs.update({"metrics": metrics, "samples": len(texts), "seq_len": spec.accuracy.seq_len,
                               "past": past, "validity": check_validity(spec, engine, tokenizer, reference, texts)})
             if (report := three_way(spec, build_result, store, engine, tokenizer, reference, texts)) is not None:

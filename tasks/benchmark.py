@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from tasks import stats
+from tasks import killpoints, stats
 from tasks.backends.base import BackendUnavailable, Runner
 from tasks.backends.table import BACKENDS
 from tasks.build import open_engine
@@ -121,6 +121,7 @@ def benchmark_work(spec: PipelineSpec, target_name: str, builds: dict[str, Stage
             raise KeepPublished  # a contended measurement never replaces a published one
         w.outputs.update(measured.outputs | {"host": load.as_dict(), "key": w.manifest["key"]})
         measured.samples.to_csv(w.dir / SAMPLES, index=False)
+        killpoints.reach("benchmark")
         _plot(measured.samples, w.dir / PLOT)
 
     inputs = {"builds": {name: b.key for name, b in builds.items()},

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks import killpoints
 from tasks.backends.base import Backend, BackendUnavailable, Runner, get_backend
 from tasks.backends.table import BACKENDS
 from tasks.models import model_source_digest
@@ -118,6 +119,7 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
             source_name = source.name
             facts = backend.build(source, target, profiles, w.dir, w.cache_dir(backend.name))
         build_seconds = time.perf_counter() - started
+        killpoints.reach("build")
         if not (w.dir / backend.engine_file).is_file():
             raise RuntimeError(f"backend {backend.name} did not write its engine {backend.engine_file} "
                                f"for target {target.name}")

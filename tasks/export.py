@@ -14,6 +14,7 @@ from typing import Any
 
 import onnx
 
+from tasks import killpoints
 from tasks.models import load_tokenizer, model_source_digest
 from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec
@@ -36,6 +37,7 @@ def export_work(spec: PipelineSpec) -> Work:
 
     def produce(w: StageWriter, _published: StageResult | None) -> None:
         _export(spec, w.dir, spec.export.opset)
+        killpoints.reach("export")
         load_tokenizer(spec).save_pretrained(w.dir)
         w.outputs.update(describe_onnx(w.dir / ONNX_FILE) | {"task": spec.model.task, "model_source": source})
 

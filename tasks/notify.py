@@ -1,10 +1,26 @@
-"""Signed `engine.promoted` webhooks that survive a receiver being down.
+"""Signed `engine.promoted` webhooks through an outbox: no promotion is ever lost or announced twice.
 
-Promotion writes each event as tags on the promoted model version (status pending) inside its
-transaction; `notify_promotions` then sends it. A receiver that is down only delays it: the event
-stays pending and goes out with the pipeline's next notification or with `retry_pending`
-(`smelter notify --retry`). Re-sends keep
-the delivery id, so a receiver can drop duplicates.
+The outbox is one model-version tag, `smelter.events`, holding the JSON list of that version's
+promotion events. Promotion appends the new event (every delivery `pending`, each with a delivery
+id kept on every retry) in ONE tag write, before the alias moves. Delivery states:
+
+    pending    not yet accepted: retried with backoff (5xx, 408, 429, network errors), on this run,
+               the next run and `smelter notify --retry`
+    delivered  the receiver answered 2xx
+    failed     the receiver refused it (another 4xx): not retried, reported
+    abandoned  nothing will send it: its webhook is gone from pipelines.yaml (or its URL changed),
+               it stayed pending for more than MAX_PENDING_DAYS, or the run stopped before the
+               alias moved (nothing was promoted)
+
+Every run and `smelter notify --retry` reconcile each registered model under its promotion lock
+(tasks/locks.py): an event counts as a real promotion when the alias reached its version (the alias
+is on it now, the next event was recorded while the alias was on it, or a delivery was attempted);
+the alias's version gets
+an event when its promotion has none (a run killed between record and alias, an alias moved by
+hand), then every pending delivery is sent, oldest first. A run killed after a send but before the
+record says `delivered` sends it again with the same delivery id, so a receiver drops duplicates.
+Versions recorded with the earlier per-field tags (`smelter.notify.<i>.*`) are read as events
+(already promoted) and rewritten in this form at their next change.
 
 Signing follows MLflow's own webhooks. Headers:
 
@@ -15,8 +31,7 @@ Signing follows MLflow's own webhooks. Headers:
 A receiver checks them with `verify_signature(secret, request.headers, raw_body)`. The secret comes
 only from the environment variable the webhook names; it is never logged nor stored in MLflow.
 Nor is the webhook URL, which may carry a token: MLflow holds `tracking.redacted_url`, whose hash
-finds the configured webhook again at retry time. An event whose webhook was removed from
-pipelines.yaml (or whose URL changed) is `abandoned`: nothing can send it any more.
+finds the configured webhook again at retry time.
 """
 
 from __future__ import annotations
@@ -32,11 +47,11 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import httpx
 
-from tasks import tracking
+from tasks import killpoints, locks, tracking
 from tasks.metrics import key_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.spec import PipelineSpec, WebhookSpec
@@ -46,17 +61,17 @@ DELIVERY_ID_HEADER = "X-Smelter-Delivery-Id"
 TIMESTAMP_HEADER = "X-Smelter-Timestamp"
 SIGNATURE_HEADER = "X-Smelter-Signature"
 SIGNATURE_VERSION = "v1"
-PENDING_TAG = "smelter.notify.pending"
+EVENTS_TAG = "smelter.events"
+LEGACY_PREFIX = "smelter.notify."
+MAX_PENDING_DAYS = 7
 MAX_SIGNATURE_AGE_S = 300
 _MAX_HEADER_CHARS = 1024
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
-_STATUS_TAG = re.compile(r"^smelter\.notify\.(\d+)\.status$")
+_NOT_METRICS = {"cache_key", "candidate", "precision", "target", "status", "decision_reason", "promoted_at",
+                "superseded_by"}
+_LEGACY_STATUS_TAG = re.compile(r"^smelter\.notify\.(\d+)\.status$")
 
 log = logging.getLogger(__name__)
-
-
-def _tag(index: int, field: str) -> str:
-    return f"smelter.notify.{index}.{field}"
 
 
 def sign(secret: str, delivery_id: str, timestamp: str, body: bytes) -> str:
@@ -112,7 +127,7 @@ class Delivery:
     webhook: int
     url: str
     delivery_id: str
-    status: str  # delivered | pending | abandoned (its webhook is no longer configured)
+    status: str  # delivered | pending | failed | abandoned
     attempts: int
     last_error: str
 
@@ -127,23 +142,56 @@ def promotion_event(spec: PipelineSpec, outcome: CandidateOutcome, registered_mo
             "metrics": key_metrics(metrics), "run_id": outcome.run_id, "timestamp": timestamp}
 
 
-def pending_record(spec: PipelineSpec, event: dict) -> dict[str, str]:
-    """Version tags that hold one pending delivery per webhook; the summary tag goes last."""
-    tags: dict[str, str] = {}
-    for index, hook in enumerate(spec.promotion.webhooks):
-        body = json.dumps(event | {"delivery_id": uuid.uuid4().hex}, sort_keys=True)
-        tags |= {_tag(index, "url"): tracking.redacted_url(hook.url), _tag(index, "status"): "pending",
-                 _tag(index, "attempts"): "0", _tag(index, "last_error"): "", _tag(index, "event"): body}
-    if tags:
-        tags[PENDING_TAG] = "true"
-    return tags
+def new_record(spec: PipelineSpec, event: dict, previous: str | None) -> dict:
+    """One outbox entry: the event, the alias's version before it moved, a pending delivery per webhook."""
+    return {"event": event, "previous": previous, "recorded_at": datetime.now(UTC).isoformat(),
+            "deliveries": [{"webhook": index, "url": tracking.redacted_url(hook.url), "delivery_id": uuid.uuid4().hex,
+                            "status": "pending", "attempts": 0, "last_error": ""}
+                           for index, hook in enumerate(spec.promotion.webhooks)]}
 
 
-def send(hook: WebhookSpec, body: str, delivery_id: str, *, backoff_s: float = 1.0) -> tuple[bool, int, str]:
-    """POST one signed event with retries; returns (delivered, attempts made, last error)."""
+def read_events(tags: Mapping[str, str]) -> list[dict]:
+    """A version's outbox entries; the earlier per-field tags are read as one already-promoted entry."""
+    if EVENTS_TAG in tags:
+        return json.loads(tags[EVENTS_TAG])
+    indexes = sorted(int(m.group(1)) for k in tags if (m := _LEGACY_STATUS_TAG.match(k)))
+    if not indexes:
+        return []
+    deliveries, event = [], {}
+    for index in indexes:
+        field = lambda name: tags.get(f"{LEGACY_PREFIX}{index}.{name}", "")  # noqa: E731
+        body = json.loads(field("event") or "{}")
+        event = {k: v for k, v in body.items() if k != "delivery_id"} or event
+        deliveries.append({"webhook": index, "url": field("url"), "delivery_id": body.get("delivery_id", ""),
+                           "status": field("status") or "pending", "attempts": int(field("attempts") or 0),
+                           "last_error": field("last_error")})
+    return [{"event": event, "previous": None, "recorded_at": event.get("timestamp", ""), "migrated": True,
+             "deliveries": deliveries}]
+
+
+def record_event(registered_model: str, version: str, record: dict) -> str | None:
+    """Append `record` to the version's outbox in one tag write; returns the tag's previous value (for undo)."""
+    tags = tracking.get_version(registered_model, version).tags
+    before = tags.get(EVENTS_TAG)
+    events = read_events(tags) + [record]
+    killpoints.reach("event.composed")
+    tracking.set_version_tags(registered_model, version, {EVENTS_TAG: json.dumps(events, sort_keys=True)})
+    return before
+
+
+def restore_events(registered_model: str, version: str, before: str | None) -> None:
+    """Put a version's outbox back as `record_event` found it."""
+    if before is None:
+        tracking.delete_version_tag(registered_model, version, EVENTS_TAG)
+    else:
+        tracking.set_version_tags(registered_model, version, {EVENTS_TAG: before})
+
+
+def send(hook: WebhookSpec, body: str, delivery_id: str, *, backoff_s: float = 1.0) -> tuple[str, int, str]:
+    """POST one signed event with retries; returns (delivered | pending | failed, attempts made, last error)."""
     secret = os.environ.get(hook.secret_env)
     if not secret:
-        return False, 0, f"environment variable {hook.secret_env} is not set; the event cannot be signed"
+        return "pending", 0, f"environment variable {hook.secret_env} is not set; the event cannot be signed"
     raw, where, error = body.encode(), tracking.redacted_url(hook.url), ""
     for attempt in range(hook.retries + 1):
         if attempt:
@@ -152,45 +200,132 @@ def send(hook: WebhookSpec, body: str, delivery_id: str, *, backoff_s: float = 1
         headers = {"Content-Type": "application/json", "User-Agent": "smelter",
                    DELIVERY_ID_HEADER: delivery_id, TIMESTAMP_HEADER: timestamp,
                    SIGNATURE_HEADER: sign(secret, delivery_id, timestamp, raw)}
+        killpoints.reach("notify.sending")
         try:
             response = httpx.post(hook.url, content=raw, headers=headers, timeout=hook.timeout_s)
         except (httpx.HTTPError, httpx.InvalidURL) as e:  # InvalidURL is no HTTPError
             error = f"{type(e).__name__}: {e}".replace(hook.url, where)
             continue
         if response.is_success:
-            return True, attempt + 1, ""
+            killpoints.reach("notify.sent")
+            return "delivered", attempt + 1, ""
         error = f"HTTP {response.status_code} from {where}"
         if response.status_code < 500 and response.status_code not in (408, 429):
-            return False, attempt + 1, error
-    return False, hook.retries + 1, error
+            return "failed", attempt + 1, error
+    return "pending", hook.retries + 1, error
 
 
-def _deliver_version(version: tracking.RegisteredVersion, hooks: dict[str, WebhookSpec],
-                     backoff_s: float) -> list[Delivery]:
-    tags, results, updates = version.tags, [], {}
-    pending = sorted(int(m.group(1)) for k, v in tags.items() if (m := _STATUS_TAG.match(k)) and v == "pending")
-    for index in pending:
-        url, body = tags[_tag(index, "url")], tags[_tag(index, "event")]
-        delivery_id = json.loads(body)["delivery_id"]
-        total = int(tags.get(_tag(index, "attempts"), "0"))
-        hook = hooks.get(url)
-        if hook is None:
-            status, error = "abandoned", "this webhook is no longer in pipelines.yaml"
+def body_of(record: dict, delivery: dict) -> str:
+    """The exact bytes sent for one delivery: the same on every retry."""
+    return json.dumps(record["event"] | {"delivery_id": delivery["delivery_id"]}, sort_keys=True)
+
+
+@dataclass
+class _Entry:
+    version: str
+    index: int
+    record: dict
+
+
+def _outbox(registered_model: str) -> tuple[dict[str, list[dict]], list[_Entry]]:
+    """Every version's outbox, and all entries in the order they were recorded."""
+    boxes = {v.version: read_events(v.tags) for v in tracking.find_versions(registered_model, {})}
+    entries = [_Entry(version, i, record) for version, records in boxes.items() for i, record in enumerate(records)]
+    return boxes, sorted(entries, key=lambda e: (e.record.get("recorded_at", ""), int(e.version), e.index))
+
+
+def _reached_alias(entries: list[_Entry], alias_version: str | None) -> list[bool]:
+    """Whether each entry's promotion happened: the alias reached its version (see the module docstring)."""
+    reached = []
+    for i, entry in enumerate(entries):
+        if entry.record.get("migrated") or any(d["attempts"] for d in entry.record["deliveries"]):
+            reached.append(True)  # sending starts only once the alias is on the version
+        elif i + 1 < len(entries):
+            reached.append(entries[i + 1].record.get("previous") == entry.version)
         else:
-            delivered, attempts, error = send(hook, body, delivery_id, backoff_s=backoff_s)
-            status, total = "delivered" if delivered else "pending", total + attempts
-        updates |= {_tag(index, "status"): status, _tag(index, "attempts"): str(total),
-                    _tag(index, "last_error"): error}
-        if status == "delivered":
-            updates[_tag(index, "delivered_at")] = datetime.now(UTC).isoformat()
-        else:
-            log.warning("%s version %s: webhook %s %s after %d attempts: %s",
-                        version.name, version.version, url, status, total, error)
-        results.append(Delivery(version.name, version.version, index, url, delivery_id, status, total, error))
-    still_pending = any(r.status == "pending" for r in results)
-    updates[PENDING_TAG] = "true" if still_pending else "false"
-    tracking.set_version_tags(version.name, version.version, updates)
+            reached.append(alias_version == entry.version)
+    return reached
+
+
+def _reconcile(spec: PipelineSpec, registered_model: str, boxes: dict[str, list[dict]],
+               entries: list[_Entry]) -> list[_Entry]:
+    """Give the alias's version an event when its promotion has none; returns the entries, with it."""
+    alias_version = tracking.alias_version(registered_model, spec.promotion.alias)
+    if alias_version is None or alias_version not in boxes:
+        return entries
+    reached = _reached_alias(entries, alias_version)
+    current = next((e for e, ok in zip(reversed(entries), reversed(reached)) if ok), None)
+    if current is not None and current.version == alias_version:
+        return entries
+    version = tracking.get_version(registered_model, alias_version)
+    metrics = {k: float(v) for k, v in version.tags.items() if k not in _NOT_METRICS and not k.startswith("smelter.")
+               and _is_number(v)}
+    event = {"event": EVENT, "pipeline": spec.name, "target": version.tags.get("target", ""),
+             "precision": version.tags.get("precision", ""), "candidate": version.tags.get("candidate", ""),
+             "registered_model": registered_model, "version": alias_version, "alias": spec.promotion.alias,
+             "metrics": metrics, "run_id": version.run_id, "timestamp": datetime.now(UTC).isoformat()}
+    record = new_record(spec, event, current.version if current else None)
+    log.warning("%s: alias %s is on version %s but no event announces it; recording one",
+                registered_model, spec.promotion.alias, alias_version)
+    record_event(registered_model, alias_version, record)
+    boxes[alias_version].append(record)
+    return entries + [_Entry(alias_version, len(boxes[alias_version]) - 1, record)]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _settle(spec: PipelineSpec, registered_model: str, backoff_s: float) -> list[Delivery]:
+    """Reconcile one registered model's alias with its outbox, then send what is pending, oldest first."""
+    hooks = {tracking.redacted_url(hook.url): hook for hook in spec.promotion.webhooks}
+    boxes, entries = _outbox(registered_model)
+    entries = _reconcile(spec, registered_model, boxes, entries)
+    reached = _reached_alias(entries, tracking.alias_version(registered_model, spec.promotion.alias))
+    too_old = (datetime.now(UTC) - timedelta(days=MAX_PENDING_DAYS)).isoformat()
+    results = []
+    for entry, happened in zip(entries, reached):
+        for delivery in entry.record["deliveries"]:
+            if delivery["status"] != "pending":
+                continue
+            hook = hooks.get(delivery["url"])
+            if not happened:
+                status, attempts, error = "abandoned", 0, "the run stopped before the alias moved: nothing was promoted"
+            elif "" < entry.record.get("recorded_at", "") < too_old:
+                status, attempts, error = "abandoned", 0, f"still pending after {MAX_PENDING_DAYS} days"
+            elif hook is None:
+                status, attempts, error = "abandoned", 0, "this webhook is no longer in pipelines.yaml"
+            else:
+                status, attempts, error = send(hook, body_of(entry.record, delivery), delivery["delivery_id"],
+                                               backoff_s=backoff_s)
+            delivery.update(status=status, attempts=delivery["attempts"] + attempts, last_error=error)
+            if status == "delivered":
+                delivery["delivered_at"] = datetime.now(UTC).isoformat()
+            else:
+                log.warning("%s version %s: webhook %s %s after %d attempts: %s", registered_model,
+                            entry.version, delivery["url"], status, delivery["attempts"], error)
+            tracking.set_version_tags(registered_model, entry.version,  # after each send: a crash loses least
+                                      {EVENTS_TAG: json.dumps(boxes[entry.version], sort_keys=True)})
+            results.append(Delivery(registered_model, entry.version, delivery["webhook"], delivery["url"],
+                                    delivery["delivery_id"], status, delivery["attempts"], error))
     return results
+
+
+def settle_model(spec: PipelineSpec, registered_model: str, *, backoff_s: float = 1.0) -> list[Delivery]:
+    """`_settle` under the model's promotion lock, so two runs never send the same delivery at once."""
+    with promotion_lock(registered_model):
+        if not tracking.registered_model_exists(registered_model):
+            return []
+        return _settle(spec, registered_model, backoff_s)
+
+
+def promotion_lock(registered_model: str):
+    """Held while promoting within, or delivering the events of, one registered model."""
+    return locks.exclusive(f"promote {registered_model}", tracking.tracking_uri())
 
 
 def notify_promotions(spec: PipelineSpec, outcomes: list[CandidateOutcome], *,
@@ -198,20 +333,14 @@ def notify_promotions(spec: PipelineSpec, outcomes: list[CandidateOutcome], *,
     """Send the events promotion recorded for these outcomes, plus any still pending on the same
     registered models from earlier runs (oldest first, so a receiver ends on the newest)."""
     names = sorted({o.model_name for o in outcomes if o.model_name})
-    return [asdict(d) for name in names for d in _deliver_model(spec, name, backoff_s)]
+    return [asdict(d) for name in names for d in settle_model(spec, name, backoff_s=backoff_s)]
 
 
 def retry_pending(specs: PipelineSpec | Iterable[PipelineSpec], *, backoff_s: float = 1.0) -> list[dict]:
-    """Send every event still pending for these pipelines (`smelter notify --retry`)."""
+    """Reconcile and send every event still pending for these pipelines (`smelter notify --retry`)."""
     results = []
     for spec in [specs] if isinstance(specs, PipelineSpec) else list(specs):
         for target in spec.targets:
             name = tracking.registered_model_name(spec.name, target.name)
-            results += [asdict(d) for d in _deliver_model(spec, name, backoff_s)]
+            results += [asdict(d) for d in settle_model(spec, name, backoff_s=backoff_s)]
     return results
-
-
-def _deliver_model(spec: PipelineSpec, registered_model: str, backoff_s: float) -> list[Delivery]:
-    hooks = {tracking.redacted_url(hook.url): hook for hook in spec.promotion.webhooks}
-    return [delivery for version in tracking.find_versions(registered_model, {PENDING_TAG: "true"})
-            for delivery in _deliver_version(version, hooks, backoff_s)]

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from tasks import inputs, models
+from tasks import inputs, killpoints, models
 from tasks.qdq_lint import check_qdq
 from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec
@@ -132,7 +132,10 @@ def text_calibration_reader(batches: list[dict[str, np.ndarray]]) -> Calibration
             self._next = iter(batches)
 
         def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(self._next, None)
+            batch = next(self._next, None)
+            if batch is not None:
+                killpoints.reach("calibration")  # a test seam: ORT has started collecting ranges
+            return batch
 
         def __len__(self) -> int:
             return len(batches)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
+import socket
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from mlflow.tracking.context.registry import resolve_tags
 from mlflow.types import Schema, TensorSpec
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+from tasks import engine_check, killpoints, locks
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion
 from tasks.redact import redacted_url
@@ -41,6 +44,77 @@ MAX_PARAM_CHARS = 6000
 MAX_TAG_CHARS = 8000
 HEADLINE_PREFIX = "_"  # sorts before every other metric name in MLflow's run table and compare view
 DESCRIPTION_TAG = "mlflow.note.content"  # what the MLflow UI shows as a run's description
+OWNER_TAG = "smelter.owner"  # "<host> <pid> <process start>": who may still be writing a RUNNING run
+ENGINE_DIGEST_TAG = "engine_sha256"
+_initialised: set[str] = set()
+
+
+def _client() -> MlflowClient:
+    """A client on a store that is ready for concurrent use (see `init_store`)."""
+    init_store()
+    return MlflowClient()
+
+
+def init_store() -> None:
+    """Create or migrate the tracking store once, under a file lock beside a SQLite database.
+
+    Two processes opening a fresh SQLite store at once both run MLflow's schema migration and one
+    dies (`duplicate column name`); the first to hold the lock migrates, the other finds it done.
+    """
+    uri = mlflow.get_tracking_uri()
+    if uri in _initialised:
+        return
+    if uri.startswith("sqlite:///"):
+        database = Path(uri.removeprefix("sqlite:///").split("?")[0])
+        with locks.file_lock(database.with_name(database.name + ".init.lock")):
+            MlflowClient().search_experiments(max_results=1)
+    _initialised.add(uri)
+
+
+def _process_start(pid: int) -> str | None:
+    """When a process started (clock ticks since boot), so a reused pid is not taken for the owner; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+
+
+def owner_tag() -> str:
+    return f"{socket.gethostname()} {os.getpid()} {_process_start(os.getpid())}"
+
+
+def _owner_gone(owner: str) -> bool:
+    """True only when the owner ran on this host and that process no longer exists."""
+    try:
+        host, pid, started = owner.split(" ")
+    except ValueError:
+        return False
+    if host != socket.gethostname():
+        return False  # another host's process cannot be checked from here: left alone
+    now = _process_start(int(pid))
+    return now is None or (now != "?" and started != "?" and now != started)
+
+
+def close_stale_runs(pipeline: str) -> list[str]:
+    """Mark as KILLED this pipeline's RUNNING runs whose owning process is gone (a killed run); returns their ids."""
+    client = _client()
+    found = client.get_experiment_by_name(experiment_name(pipeline))
+    if found is None:
+        return []
+    closed = []
+    for run in client.search_runs([found.experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                  max_results=1000):
+        if _owner_gone(run.data.tags.get(OWNER_TAG, "")):
+            client.set_terminated(run.info.run_id, "KILLED")
+            closed.append(run.info.run_id)
+    return closed
 
 
 def experiment_name(pipeline: str) -> str:
@@ -87,9 +161,11 @@ def pipeline_run(spec: PipelineSpec, run_name: str, params: dict[str, Any]) -> I
     The run is not made the thread's active run, so candidates may be logged from any thread
     (Prefect task runners) or process. It ends FINISHED, or FAILED when the body raises.
     """
-    client = MlflowClient()
-    tags = {"model": _model_tag(spec), "pipeline": spec.name}
+    client = _client()
+    close_stale_runs(spec.name)
+    tags = {"model": _model_tag(spec), "pipeline": spec.name, OWNER_TAG: owner_tag()}
     run_id = client.create_run(_experiment_id(client, spec.name), run_name=run_name, tags=tags).info.run_id
+    killpoints.reach("run.started")
     status = "FAILED"
     try:
         config = spec.model_dump(mode="json")
@@ -99,6 +175,7 @@ def pipeline_run(spec: PipelineSpec, run_name: str, params: dict[str, Any]) -> I
         client.log_batch(run_id, params=[Param(k, v) for k, v in flat.items()])
         yield run_id
         status = "FINISHED"
+        killpoints.reach("run.finishing")
     finally:
         client.set_terminated(run_id, status)
 
@@ -151,9 +228,9 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
 
     Returns the child run id. The run ends FAILED for a failed candidate so the UI shows it red.
     """
-    client = MlflowClient()
+    client = _client()
     metrics = stage_metrics(outcome.stages)
-    tags = resolve_tags(candidate_tags(spec, outcome) | {MLFLOW_PARENT_RUN_ID: parent_run_id})
+    tags = resolve_tags(candidate_tags(spec, outcome) | {MLFLOW_PARENT_RUN_ID: parent_run_id, OWNER_TAG: owner_tag()})
     created = client.create_run(_experiment_id(client, spec.name), start_time=_work_started_ms(outcome),
                                 tags=tags, run_name=outcome.candidate.name)
     run = mlflow.start_run(run_id=created.info.run_id, nested=True)
@@ -168,6 +245,7 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
             mlflow.log_artifact(str(benchmark.file("latency.png")), "plots")
         mlflow.log_text(engine_card(spec, outcome, metrics), "engine_card.md")  # rewritten by finish_candidate
         _log_datasets(spec, outcome)
+        killpoints.reach("candidate.logged")
         status = "FAILED" if outcome.status == "failed" else "FINISHED"
     finally:
         mlflow.end_run(status)
@@ -175,18 +253,37 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
 
 
 def _log_engine(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
-    """Upload the engine unless the registry already holds this exact one: nightly re-runs add no copies."""
+    """Upload the engine unless the registry already holds this exact one: nightly re-runs add no copies.
+
+    The files must match their build manifest's sha256 first (a file that rotted in the cache is
+    never uploaded: EngineRejected fails the candidate); the digest of what was uploaded is tagged
+    on the run, and registration checks the files against it again.
+    """
     build = outcome.stages.get("build")
     if build is None:
         return
     name = registered_model_name(spec.name, outcome.candidate.target)
     holder = find_versions(name, {"cache_key": build.key}) if build.cached else []
     if holder:
-        mlflow.set_tag("engine_source", f"models:/{name}/{holder[-1].version}")
-    else:
-        mlflow.log_artifacts(str(build.path), "engine")
-        if (signature := engine_signature(outcome.stages)) is not None:
-            mlflow.log_text(_mlmodel(signature, mlflow.active_run().info.run_id), "engine/MLmodel")
+        mlflow.set_tag("engine_source", f"models:/{name}/{holder[0].version}")
+        return
+    engine_check.verify_files(build)
+    digest = engine_check.engine_digest(build)
+    for index, path in enumerate(sorted(p for p in build.path.rglob("*") if p.is_file())):
+        if index == 1:
+            killpoints.reach("upload")
+        folder = path.parent.relative_to(build.path).as_posix()
+        mlflow.log_artifact(str(path), "engine" if folder == "." else f"engine/{folder}")
+    if (signature := engine_signature(outcome.stages)) is not None:
+        mlflow.log_text(_mlmodel(signature, mlflow.active_run().info.run_id), "engine/MLmodel")
+    if engine_check.engine_digest(build) != digest:
+        raise engine_check.EngineRejected(f"{build.path}: the engine's files changed while they were uploaded")
+    mlflow.set_tag(ENGINE_DIGEST_TAG, digest)
+
+
+def uploaded_engine_digest(run_id: str) -> str | None:
+    """The sha256 `_log_engine` recorded for the engine it uploaded to this run, if it uploaded one."""
+    return _client().get_run(run_id).data.tags.get(ENGINE_DIGEST_TAG)
 
 
 def _log_stage_files(stages: dict[str, StageResult]) -> None:
@@ -253,7 +350,7 @@ def finish_candidate(run_id: str, spec: PipelineSpec, outcome: CandidateOutcome)
     tags = {"status": outcome.status, "decision_reason": outcome.reason[:MAX_TAG_CHARS]}
     if outcome.model_name:
         tags |= {"registered_model": outcome.model_name, "model_version": str(outcome.model_version)}
-    client = MlflowClient()
+    client = _client()
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     client.log_text(run_id, engine_card(spec, outcome, stage_metrics(outcome.stages)), "engine_card.md")
@@ -263,7 +360,7 @@ def champion(spec: PipelineSpec, target_name: str) -> Champion | None:
     """The version holding the promotion alias for (pipeline, target), or None."""
     name = registered_model_name(spec.name, target_name)
     try:
-        found = MlflowClient().get_model_version_by_alias(name, spec.promotion.alias)
+        found = _client().get_model_version_by_alias(name, spec.promotion.alias)
     except MlflowException as e:
         if _alias_missing(e):
             return None
@@ -286,7 +383,7 @@ def previous_version(spec: PipelineSpec, target_name: str, precision: str, build
     if not others:
         return None
     newest = others[-1]
-    return {"version": newest.version, "metrics": dict(MlflowClient().get_run(newest.run_id).data.metrics)}
+    return {"version": newest.version, "metrics": dict(_client().get_run(newest.run_id).data.metrics)}
 
 
 @dataclass(frozen=True)
@@ -321,7 +418,7 @@ def ensure_registered_model(name: str, description: str, tags: dict[str, str]) -
 
     Returns None when it was created, else what the refresh replaced, for `restore_registered_model`.
     """
-    client = MlflowClient()
+    client = _client()
     try:
         client.create_registered_model(name, tags=tags, description=description)
         return None
@@ -338,7 +435,7 @@ def ensure_registered_model(name: str, description: str, tags: dict[str, str]) -
 
 def restore_registered_model(before: ModelInfo, refreshed_tags: list[str]) -> None:
     """Undo `ensure_registered_model`'s refresh: its description, and the tags it set."""
-    client = MlflowClient()
+    client = _client()
     client.update_registered_model(before.name, description=before.description)
     for key in refreshed_tags:
         if key in before.tags:
@@ -348,24 +445,24 @@ def restore_registered_model(before: ModelInfo, refreshed_tags: list[str]) -> No
 
 
 def delete_registered_model(name: str) -> None:
-    MlflowClient().delete_registered_model(name)
+    _client().delete_registered_model(name)
 
 
 def create_version(name: str, run_id: str, tags: dict[str, str], description: str = "") -> RegisteredVersion:
     """A registry version whose files are the run's `engine` artifacts (a plain dir, not an MLflow model)."""
-    created = MlflowClient().create_model_version(name, source=f"runs:/{run_id}/engine", run_id=run_id,
+    created = _client().create_model_version(name, source=f"runs:/{run_id}/engine", run_id=run_id,
                                                   tags=tags, description=description)
     return _version(created)
 
 
 def delete_version(name: str, version: str) -> None:
-    MlflowClient().delete_model_version(name, version)
+    _client().delete_model_version(name, version)
 
 
 def alias_version(name: str, alias: str) -> str | None:
     """The version an alias points to, or None when the model or the alias does not exist."""
     try:
-        return str(MlflowClient().get_model_version_by_alias(name, alias).version)
+        return str(_client().get_model_version_by_alias(name, alias).version)
     except MlflowException as e:
         if _alias_missing(e):
             return None
@@ -373,31 +470,31 @@ def alias_version(name: str, alias: str) -> str | None:
 
 
 def set_alias(name: str, alias: str, version: str) -> None:
-    MlflowClient().set_registered_model_alias(name, alias, version)
+    _client().set_registered_model_alias(name, alias, version)
 
 
 def delete_alias(name: str, alias: str) -> None:
-    MlflowClient().delete_registered_model_alias(name, alias)
+    _client().delete_registered_model_alias(name, alias)
 
 
 def set_version_tags(name: str, version: str, tags: dict[str, str]) -> None:
-    client = MlflowClient()
+    client = _client()
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
 
 
 def delete_version_tag(name: str, version: str, key: str) -> None:
-    MlflowClient().delete_model_version_tag(name, version, key)
+    _client().delete_model_version_tag(name, version, key)
 
 
 def get_version(name: str, version: str) -> RegisteredVersion:
-    return _version(MlflowClient().get_model_version(name, version))
+    return _version(_client().get_model_version(name, version))
 
 
 def find_versions(name: str, tags: dict[str, str]) -> list[RegisteredVersion]:
     """Versions of a registered model whose tags have these values, oldest first."""
     clauses = [f"name = '{name}'"] + [f"tags.`{k}` = '{v}'" for k, v in tags.items()]
-    client, found, token = MlflowClient(), [], None
+    client, found, token = _client(), [], None
     while True:
         page = client.search_model_versions(" AND ".join(clauses), page_token=token)
         found += [_version(v) for v in page]
@@ -408,12 +505,22 @@ def find_versions(name: str, tags: dict[str, str]) -> list[RegisteredVersion]:
 
 def log_directory(run_id: str, local_dir: Path, artifact_path: str) -> None:
     """Attach a directory written after the run was logged (e.g. a Triton package) to that run."""
-    MlflowClient().log_artifacts(run_id, str(local_dir), artifact_path)
+    _client().log_artifacts(run_id, str(local_dir), artifact_path)
 
 
 def download_version(name: str, version: str, dest: Path) -> Path:
     """The files a registry version points to (its run's `engine` artifacts), into `dest`."""
     return Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{version}", dst_path=str(dest)))
+
+
+def registered_model_exists(name: str) -> bool:
+    try:
+        _client().get_registered_model(name)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+    return True
 
 
 def find_version(name: str, version: str) -> RegisteredVersion | None:
@@ -431,7 +538,7 @@ def tracking_uri() -> str:
 
 
 def run_metrics(run_id: str) -> dict[str, float]:
-    return dict(MlflowClient().get_run(run_id).data.metrics)
+    return dict(_client().get_run(run_id).data.metrics)
 
 
 def tracking_server() -> str | None:
@@ -453,7 +560,7 @@ class RegistryWebhook:
 
 def list_webhooks() -> list[RegistryWebhook]:
     """Every registry webhook of the MLflow server (webhooks need `mlflow server` with a SQL store)."""
-    client, found, token = MlflowClient(), [], None
+    client, found, token = _client(), [], None
     while True:
         page = client.list_webhooks(page_token=token)
         found += [RegistryWebhook(w.webhook_id, w.name, w.url, tuple(str(e) for e in w.events), w.description or "")
@@ -464,17 +571,17 @@ def list_webhooks() -> list[RegistryWebhook]:
 
 
 def create_webhook(name: str, url: str, events: list[str], secret: str, description: str) -> None:
-    MlflowClient().create_webhook(name=name, url=url, events=events, secret=secret, description=description,
+    _client().create_webhook(name=name, url=url, events=events, secret=secret, description=description,
                                   status="ACTIVE")
 
 
 def update_webhook(webhook_id: str, url: str, events: list[str], secret: str, description: str) -> None:
-    MlflowClient().update_webhook(webhook_id, url=url, events=events, secret=secret, description=description,
+    _client().update_webhook(webhook_id, url=url, events=events, secret=secret, description=description,
                                   status="ACTIVE")
 
 
 def delete_webhook(webhook_id: str) -> None:
-    MlflowClient().delete_webhook(webhook_id)
+    _client().delete_webhook(webhook_id)
 
 
 def headline_metrics(spec: PipelineSpec, metrics: dict[str, float]) -> dict[str, float]:
@@ -537,6 +644,6 @@ def describe_pipeline_run(parent_run_id: str, outcomes: list[CandidateOutcome]) 
     counts = {s: sum(o.status == s for o in outcomes) for s in ("promoted", "passed", "rejected", "failed")}
     head = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no candidates"
     rebuilt = any(not stage.cached for o in outcomes for stage in o.stages.values())
-    client = MlflowClient()
+    client = _client()
     client.set_tag(parent_run_id, DESCRIPTION_TAG, f"{head}.\n\n" + "\n".join(lines))
     client.set_tag(parent_run_id, "rebuilt", str(rebuilt).lower())

@@ -39,9 +39,16 @@ def _promoted(spec: PipelineSpec, outcome: CandidateOutcome) -> list[dict]:
     return notify.notify_promotions(spec, [outcome], backoff_s=0.01)
 
 
-def _record(outcome: CandidateOutcome) -> dict[str, str]:
+def _events(outcome: CandidateOutcome) -> list[dict]:
+    """The version's outbox as stored in MLflow."""
     tags = MlflowClient().get_model_version(outcome.model_name, outcome.model_version).tags
-    return {k.removeprefix("smelter.notify."): v for k, v in tags.items() if k.startswith("smelter.notify.")}
+    return json.loads(tags[notify.EVENTS_TAG])
+
+
+def _delivery(outcome: CandidateOutcome) -> dict:
+    (record,) = _events(outcome)
+    (delivery,) = record["deliveries"]
+    return delivery
 
 
 def test_signature_verifies_only_the_exact_body_secret_and_recent_timestamp() -> None:
@@ -76,8 +83,9 @@ def test_promotion_sends_a_signed_event_the_receiver_verifies(webhook_receiver: 
         "version": outcome.model_version, "alias": "champion", "run_id": outcome.run_id}
     assert event["metrics"]["throughput"] == 500.0 and "accuracy.cosine_mean" in event["metrics"]
     assert webhook_receiver.headers[0]["X-Smelter-Delivery-Id"] == event["delivery_id"]
-    record = _record(outcome)
-    assert (record["0.status"], record["0.attempts"], record["pending"]) == ("delivered", "1", "false")
+    delivery = _delivery(outcome)
+    assert (delivery["status"], delivery["attempts"]) == ("delivered", 1)
+    assert delivery["delivery_id"] == event["delivery_id"]
 
 
 @pytest.mark.usefixtures("mlflow_server")
@@ -94,10 +102,10 @@ def test_event_stays_pending_while_receiver_is_down_and_retry_delivers_it_once(
 
     assert webhook_receiver.events == []
     assert webhook_receiver.attempts == (RETRIES + 1 if outage == "503" else 0)
-    record = _record(outcome)
-    assert (record["0.status"], record["0.attempts"], record["pending"]) == ("pending", str(RETRIES + 1), "true")
-    assert record["0.last_error"]
-    stored = json.loads(record["0.event"])
+    delivery = _delivery(outcome)
+    assert (delivery["status"], delivery["attempts"]) == ("pending", RETRIES + 1)
+    assert delivery["last_error"]
+    stored = json.loads(notify.body_of(_events(outcome)[0], delivery))
 
     webhook_receiver.down = False
     if outage == "port closed":
@@ -106,7 +114,7 @@ def test_event_stays_pending_while_receiver_is_down_and_retry_delivers_it_once(
     assert [(r["status"], r["version"], r["delivery_id"]) for r in results] == [
         ("delivered", outcome.model_version, stored["delivery_id"])]
     assert webhook_receiver.events == [stored]
-    assert _record(outcome)["0.status"] == "delivered"
+    assert _delivery(outcome)["status"] == "delivered"
     assert notify.retry_pending([spec], backoff_s=0.01) == []
     assert len(webhook_receiver.events) == 1
 
@@ -134,8 +142,8 @@ def test_webhook_url_with_an_invalid_port_is_rejected_by_the_spec_and_never_cras
 
     monkeypatch.setenv("SMELTER_WEBHOOK_SECRET", "s3cret")
     unchecked = WebhookSpec.model_construct(url=bad, secret_env="SMELTER_WEBHOOK_SECRET", retries=1, timeout_s=1.0)
-    delivered, attempts, error = notify.send(unchecked, "{}", "d1", backoff_s=0.01)
-    assert (delivered, attempts) == (False, 2) and error.startswith("InvalidURL:")
+    status, attempts, error = notify.send(unchecked, "{}", "d1", backoff_s=0.01)
+    assert (status, attempts) == ("pending", 2) and error.startswith("InvalidURL:")
 
 
 @pytest.mark.usefixtures("mlflow_server")
@@ -151,8 +159,7 @@ def test_event_for_a_removed_webhook_is_abandoned_once_not_retried_forever(
     results = notify.retry_pending(removed, backoff_s=0.01)
     assert [(r["status"], r["attempts"]) for r in results] == [("abandoned", RETRIES + 1)]
     assert "no longer in pipelines.yaml" in results[0]["last_error"]
-    record = _record(outcome)
-    assert (record["0.status"], record["pending"]) == ("abandoned", "false")
+    assert _delivery(outcome)["status"] == "abandoned"
     assert notify.retry_pending(removed, backoff_s=0.01) == []
     assert notify.retry_pending(spec, backoff_s=0.01) == [] and webhook_receiver.events == []
 
@@ -178,7 +185,7 @@ def test_secret_and_full_webhook_url_are_never_written_to_mlflow(webhook_receive
     assert len(runs) == 2
     parent = next(run for run in runs if "mlflow.parentRunId" not in run.data.tags)
     assert json.loads(parent.data.params["promotion.webhooks"])[0]["url"] == redacted
-    assert _record(outcome)["0.url"] == redacted
+    assert _delivery(outcome)["url"] == redacted
     written = [json.dumps([run.data.params, run.data.tags], ensure_ascii=False) for run in runs]
     written.append(json.dumps(client.get_model_version(outcome.model_name, outcome.model_version).tags))
     model = client.get_registered_model(outcome.model_name)
@@ -187,3 +194,80 @@ def test_secret_and_full_webhook_url_are_never_written_to_mlflow(webhook_receive
     assert spec.promotion.webhooks[0].secret_env in "".join(written)
     for hidden in (webhook_receiver.secret, webhook_receiver.url, webhook_receiver.path):
         assert not any(hidden in text for text in written)
+
+
+@pytest.mark.usefixtures("mlflow_server")
+def test_a_refusing_receiver_fails_the_event_once_and_it_is_never_retried(
+        webhook_receiver: WebhookReceiver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = _spec(webhook_receiver)
+    monkeypatch.setenv(webhook_receiver.secret_env, "not-the-receivers-secret")  # 401 from the receiver
+    outcome = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=500.0)
+    assert [(d["status"], d["attempts"]) for d in _promoted(spec, outcome)] == [("failed", 1)]
+    assert webhook_receiver.rejected == 1 and "HTTP 401" in _delivery(outcome)["last_error"]
+    assert notify.retry_pending(spec, backoff_s=0.01) == []
+    assert webhook_receiver.attempts == 1 and _delivery(outcome)["status"] == "failed"
+
+
+@pytest.mark.usefixtures("mlflow_server")
+def test_an_event_whose_alias_never_moved_is_abandoned_and_the_alias_holder_keeps_its_own(
+        webhook_receiver: WebhookReceiver, tmp_path: Path) -> None:
+    """A run killed between recording v2's event and moving the alias: v2 was never promoted."""
+    spec = _spec(webhook_receiver)
+    store = ArtifactStore(tmp_path)
+    first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
+    _promoted(spec, first)
+    second = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-2")
+    with tracking.pipeline_run(spec, "run", {}) as parent_id:
+        second.run_id = tracking.log_candidate(parent_id, spec, second)
+    version = tracking.create_version(first.model_name, second.run_id, {"cache_key": second.cache_key}).version
+    event = notify.promotion_event(spec, second, first.model_name, version, {}, "2026-01-01T00:00:00+00:00")
+    notify.record_event(first.model_name, version, notify.new_record(spec, event, first.model_version))
+
+    results = notify.retry_pending(spec, backoff_s=0.01)
+    assert [(r["version"], r["status"]) for r in results] == [(version, "abandoned")]
+    assert "before the alias moved" in results[0]["last_error"]
+    assert [e["version"] for e in webhook_receiver.events] == [first.model_version]
+
+
+@pytest.mark.usefixtures("mlflow_server")
+def test_an_alias_with_no_event_for_its_promotion_gets_one(webhook_receiver: WebhookReceiver, tmp_path: Path) -> None:
+    """The alias moved without an event (by hand, or by a run before the outbox): reconciliation announces it."""
+    spec = _spec(webhook_receiver)
+    store = ArtifactStore(tmp_path)
+    first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
+    _promoted(spec, first)
+    second = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-2")
+    _promoted(spec, second)
+    tracking.set_alias(first.model_name, "champion", first.model_version)  # moved back by hand
+
+    results = notify.retry_pending(spec, backoff_s=0.01)
+    assert [(r["version"], r["status"]) for r in results] == [(first.model_version, "delivered")]
+    assert [e["version"] for e in webhook_receiver.events] == [first.model_version, second.model_version,
+                                                               first.model_version]
+    announced = webhook_receiver.events[-1]
+    assert (announced["candidate"], announced["precision"], announced["metrics"]["throughput"]) == (
+        first.candidate.name, "int8", 400.0)
+    assert len(_events(first)) == 2
+    assert notify.retry_pending(spec, backoff_s=0.01) == [] and len(webhook_receiver.events) == 3
+
+
+@pytest.mark.usefixtures("mlflow_server")
+def test_events_recorded_in_the_earlier_per_field_tags_are_still_delivered_with_their_id(
+        webhook_receiver: WebhookReceiver, tmp_path: Path) -> None:
+    spec = _spec(webhook_receiver)
+    outcome = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=500.0)
+    with tracking.pipeline_run(spec, "run", {}) as parent_id:
+        outcome.run_id = tracking.log_candidate(parent_id, spec, outcome)
+    promote(spec, decide(spec, [outcome], {}))
+    name, version = outcome.model_name, outcome.model_version
+    tracking.delete_version_tag(name, version, notify.EVENTS_TAG)
+    body = json.dumps({"event": "engine.promoted", "version": version, "delivery_id": "legacy-id-1"})
+    tracking.set_version_tags(name, version, {
+        "smelter.notify.0.url": tracking.redacted_url(webhook_receiver.url), "smelter.notify.0.status": "pending",
+        "smelter.notify.0.attempts": "3", "smelter.notify.0.last_error": "HTTP 503", "smelter.notify.0.event": body,
+        "smelter.notify.pending": "true"})
+
+    results = notify.retry_pending(spec, backoff_s=0.01)
+    assert [(r["status"], r["delivery_id"], r["attempts"]) for r in results] == [("delivered", "legacy-id-1", 4)]
+    assert webhook_receiver.events == [json.loads(body)]
+    assert notify.retry_pending(spec, backoff_s=0.01) == [] and len(webhook_receiver.events) == 1

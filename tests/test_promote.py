@@ -3,6 +3,8 @@ one, moved only by a new promotion, and never left half-moved when a step fails.
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from tasks.outcome import CandidateOutcome
 from tasks.decide import decide
 from tasks.promote import PromotionError, promote
 from tasks.spec import PipelineSpec
-from tasks.store import ArtifactStore
+from tasks.store import ArtifactStore, file_digest
 from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
 
 pytestmark = pytest.mark.usefixtures("mlflow_server")
@@ -127,7 +129,7 @@ def test_failed_promotion_step_restores_previous_alias_model_metadata_and_remove
     set_version_tags = tracking.set_version_tags
 
     def refuse_record(model: str, version: str, tags: dict[str, str]) -> None:
-        if notify.PENDING_TAG in tags:
+        if notify.EVENTS_TAG in tags:
             raise MlflowException("tag store unavailable")
         set_version_tags(model, version, tags)
 
@@ -152,3 +154,76 @@ def test_promotion_refuses_candidates_that_were_never_logged(tmp_path: Path) -> 
     with pytest.raises(PromotionError, match="no MLflow run_id"):
         promote(spec, [unlogged])
     assert not MlflowClient().search_registered_models(f"name = '{spec.name}-cpu'")
+
+
+def test_a_version_that_gets_the_alias_back_has_its_tags_refreshed(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path)
+    name = f"{spec.name}-cpu"
+    first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
+    promote(spec, _logged(spec, [first]))
+    promoted_at = MlflowClient().get_model_version(name, first.model_version).tags["promoted_at"]
+    second = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-2")
+    promote(spec, _logged(spec, [second]))
+    tags = MlflowClient().get_model_version(name, first.model_version).tags
+    assert (tags["status"], tags["superseded_by"]) == ("superseded", second.model_version)
+
+    again = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
+    promote(spec, _logged(spec, [again]))
+    assert again.status == "promoted" and again.model_version == first.model_version
+    tags = MlflowClient().get_model_version(name, first.model_version).tags
+    assert (tags["status"], tags["superseded_by"], tags["throughput"]) == ("promoted", "", "400")
+    assert tags["decision_reason"] == again.decision.reason and tags["promoted_at"] > promoted_at
+    assert MlflowClient().get_model_version(name, second.model_version).tags["status"] == "superseded"
+
+
+@pytest.mark.parametrize("damage", ["bytes flipped after upload, size kept", "unloadable, manifest matching it"])
+def test_a_corrupt_or_unloadable_engine_is_never_registered_and_the_alias_stays(tmp_path: Path, damage: str) -> None:
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path)
+    name = f"{spec.name}-cpu"
+    first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
+    promote(spec, _logged(spec, [first]))
+
+    bad = candidate_outcome(store, spec, "int8", "cpu", throughput=900.0, variant="night-2")
+    build = bad.stages["build"]
+    engine = build.file("model.onnx")
+
+    def damage_engine() -> None:
+        data = bytearray(engine.read_bytes())
+        data[:64] = bytes(64) if damage.startswith("unloadable") else bytes(b ^ 0xFF for b in data[:64])
+        engine.write_bytes(bytes(data))
+
+    if damage.startswith("unloadable"):  # broken before it was built into the cache: every hash agrees with it
+        damage_engine()
+        build.manifest["files"]["model.onnx"]["sha256"] = file_digest(engine)
+        logged = _logged(spec, [bad])
+    else:
+        logged = _logged(spec, [bad])
+        damage_engine()
+    promote(spec, logged)
+
+    assert bad.status == "failed" and bad.failed_stage == "register" and bad.model_version is None
+    assert ("does not load" if damage.startswith("unloadable") else "sha256 differs from the build manifest") in bad.error
+    assert _versions(name) == [first.model_version] and _alias(name) == first.model_version
+    assert bad.decision.reason.startswith("not registered:") and not bad.decision.take_alias
+
+
+def test_stale_running_runs_of_dead_processes_are_closed_and_live_ones_left_alone(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    dead = subprocess.Popen(["sleep", "0"])
+    dead.wait()
+    client = MlflowClient()
+    with tracking.pipeline_run(spec, "first", {}):
+        pass
+    experiment = client.get_experiment_by_name(tracking.experiment_name(spec.name)).experiment_id
+    host = socket.gethostname()
+    killed = client.create_run(experiment, tags={tracking.OWNER_TAG: f"{host} {dead.pid} 1"}).info.run_id
+    live = client.create_run(experiment, tags={tracking.OWNER_TAG: tracking.owner_tag()}).info.run_id
+    elsewhere = client.create_run(experiment, tags={tracking.OWNER_TAG: f"other-host {dead.pid} 1"}).info.run_id
+
+    with tracking.pipeline_run(spec, "next", {}):
+        pass
+    assert client.get_run(killed).info.status == "KILLED"
+    assert client.get_run(live).info.status == "RUNNING"
+    assert client.get_run(elsewhere).info.status == "RUNNING", "another host's process cannot be checked here"

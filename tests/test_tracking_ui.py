@@ -45,7 +45,7 @@ def test_candidate_run_spans_its_work_and_leads_with_headline_metrics(tmp_path: 
     metrics = child.data.metrics
     assert (metrics["_throughput"], metrics["_p99_ms"], metrics["_cosine_mean"]) == (400.0, 10.0, 0.9988)
     assert metrics["_speedup"] == metrics["speedup_vs_reference"]
-    assert metrics["_engine_mb"] == pytest.approx(29e-6)
+    assert metrics["_engine_mb"] == pytest.approx(outcome.stages["build"].outputs["engine_bytes"] / 1e6)
     headline = sorted(k for k in metrics if k.startswith("_"))
     assert sorted(metrics)[:len(headline)] == headline, "headline metrics sort before the other ~40"
     assert metrics["stage_seconds.build"] == outcome.stages["build"].manifest["seconds"]
