@@ -24,8 +24,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from flows import events, fleet, progress
-from flows.stages import accuracy_task, benchmark_task, build_task, export_task, precision_task, validate_task
-from tasks import benchmark, decide, engine_check, gates, notify, promote, tracking, triton
+from flows.stages import run_step
+from tasks import benchmark, decide, engine_check, gates, graph, notify, promote, tracking, triton
 from tasks.champion import champion_build
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion
@@ -68,22 +68,14 @@ class _Memo:
 
 def build_candidate(spec: PipelineSpec, candidate: Candidate, store: ArtifactStore, memo: _Memo,
                     force: bool) -> CandidateOutcome:
-    """Run every stage up to accuracy for one candidate, reusing what siblings already ran."""
+    """Run the candidate's steps of the stage graph up to accuracy, reusing what siblings already ran."""
     outcome = CandidateOutcome(candidate, status="passed")
-    p, t, label = candidate.precision, candidate.target, candidate.name
-
-    def step(stage: str, node: str, stage_task: Any, *args: Any) -> StageResult:
-        result = memo.get(stage, node, lambda: stage_task.with_options(
-            task_run_name=f"{node}/{stage}")(node, spec, *args, store, force=force))
-        outcome.stages[stage] = result
-        return result
-
+    done: dict[tuple[str, str], StageResult] = {}
     try:
-        exported = step("export", spec.name, export_task)
-        step("validate", spec.name, validate_task, exported)
-        precise = step("precision", f"{spec.name}/{p}", precision_task, exported, p)
-        built = step("build", label, build_task, precise, t)
-        step("accuracy", label, accuracy_task, built)
+        for step in graph.candidate_steps(spec, candidate, store):
+            inputs = {ref: done[ref] for ref in step.needs}
+            done[step.ref] = outcome.stages[step.stage] = memo.get(
+                step.stage, step.node, lambda: run_step(step, inputs, store, force))
     except _StageFailed as failed:
         outcome.status = "failed"
         outcome.failed_stage = failed.stage
@@ -97,14 +89,12 @@ def benchmark_target(spec: PipelineSpec, target: str, outcomes: list[CandidateOu
     built = [o for o in outcomes if o.candidate.target == target and o.status != "failed"]
     if not built:
         return
-    node = f"{spec.name}/{target}"
     fetch = functools.partial(champion_build, spec, champion, store) if champion else None
+    step = graph.benchmark_step(spec, target, [o.candidate.name for o in built], champion, fetch)
     try:
-        result = _unwrap(benchmark_task.with_options(task_run_name=f"{node}/benchmark")(
-            node, spec, target, {o.candidate.name: o.stages["build"] for o in built}, store,
-            champion=champion, champion_build=fetch, force=force))
+        result = _unwrap(run_step(step, {("build", o.candidate.name): o.stages["build"] for o in built}, store, force))
     except Exception as e:  # noqa: BLE001 - the target's candidates fail; other targets go on
-        progress.stage_failed(node, "benchmark", f"{type(e).__name__}: {e}")
+        progress.stage_failed(step.node, "benchmark", f"{type(e).__name__}: {e}")
         for outcome in built:
             outcome.status, outcome.failed_stage = "failed", "benchmark"
             outcome.error = f"benchmark failed: {type(e).__name__}: {e}"

@@ -1,71 +1,51 @@
 """`smelter plan`: the graph a run would execute, each stage marked cached or to-run, without running it.
 
+The rows are the steps of the stage graph the flow runs (tasks/graph.py), in the same order.
 A key is known only when its upstream is built (later keys hash upstream outputs), so everything
 below a stage that must run is itself to-run. A target's benchmark measures all its candidates
-and the champion together, so its key also depends on the registry's champion.
+and the champion together, so its key also depends on the registry's champion. Plan verifies
+what it finds as a run does, but moves nothing: a damaged output shows as to-run, with why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Iterator
 from typing import Any
 
-from tasks import accuracy, benchmark, build, export, precision, validate
-from tasks.backends.base import BackendUnavailable, get_backend
+from tasks import graph
 from tasks.outcome import Champion
 from tasks.spec import PipelineSpec, PipelinesFile
 from tasks.store import ArtifactStore, StageResult
 
 
-def _row(node: str, stage: str, found: StageResult | None, key: str | None, note: str = "") -> dict[str, Any]:
-    state = "cached" if found else ("blocked" if note else "to-run")
-    return {"node": node, "stage": stage, "state": state, "key": key or "-", "note": note}
-
-
-def _probe(store: ArtifactStore, spec: PipelineSpec, stage: str, upstream: StageResult | None,
-           key_of: Callable[[StageResult], str]) -> tuple[StageResult | None, str | None]:
-    if upstream is None:
-        return None, None
-    key = key_of(upstream)
-    return store.lookup(spec.name, stage, key), key
+def _row(step: graph.Step, state: str, key: str | None, note: str = "") -> dict[str, Any]:
+    return {"node": step.node, "stage": step.stage, "state": state, "key": key or "-", "note": note}
 
 
 def pipeline_rows(spec: PipelineSpec, store: ArtifactStore,
                   champions: dict[str, Champion | None] | None = None) -> Iterator[dict[str, Any]]:
-    """Every stage of one pipeline; `champions` (target -> champion) decide the benchmark keys."""
-    champions = champions or {}
-    builds: dict[str, dict[str, StageResult | None]] = {t.name: {} for t in spec.targets}
-    key = export.export_key(spec)
-    exported = store.lookup(spec.name, "export", key)
-    yield _row(spec.name, "export", exported, key)
-    found, key = _probe(store, spec, "validate", exported, lambda up: validate.validate_key(up, spec))
-    yield _row(spec.name, "validate", found, key)
-    for p in spec.precisions:
-        precise, key = _probe(store, spec, "precision", exported, lambda up: precision.precision_key(up, spec, p))
-        yield _row(f"{spec.name}/{p}", "precision", precise, key)
-        for target in (t for t in spec.targets if t.precision_problem(p) is None):
-            label = f"{spec.name}/{p}/{target.name}"
-            try:
-                backend = get_backend(target.backend)
-                blocked = backend.missing(target) or ""
-            except BackendUnavailable as e:
-                blocked = str(e)
-            built, key = (None, None) if blocked else _probe(
-                store, spec, "build", precise, lambda up: build.build_key(up, target, backend, list(spec.profiles)))
-            yield _row(label, "build", built, key, blocked)
-            found, key = _probe(store, spec, "accuracy", built, lambda up: accuracy.accuracy_key(up, spec))
-            yield _row(label, "accuracy", found, key, blocked)
-            if not blocked:
-                builds[target.name][label] = built
-    for target, built in builds.items():
-        node = f"{spec.name}/{target}"
-        if not built:
+    """Every step of one pipeline; `champions` (target -> champion) decide the benchmark keys.
+
+    A target whose backend cannot run here has its build and accuracy rows `blocked` (with why)
+    and no benchmark row: a run fails those candidates and measures nothing for it.
+    """
+    unavailable = functools.cache(functools.partial(graph.unavailable, spec))
+    found: dict[graph.Ref, StageResult] = {}
+    for step in graph.pipeline_steps(spec, spec.candidates(), champions):
+        why = step.target and unavailable(step.target)
+        if why:
+            if step.stage != "benchmark":
+                yield _row(step, "blocked", None, why)
             continue
-        if any(b is None for b in built.values()):
-            yield _row(node, "benchmark", None, None)
+        if any(ref not in found for ref in step.needs):
+            yield _row(step, "to-run", None)
             continue
-        key = benchmark.benchmark_key(spec, target, built, champions.get(target))
-        yield _row(node, "benchmark", store.lookup(spec.name, "benchmark", key), key)
+        work = graph.call_work(step, found)
+        result, problem = store.check(spec.name, step.stage, work.key, repair=False)
+        if result is not None:
+            found[step.ref] = result
+        yield _row(step, "cached" if result else "to-run", work.key, f"damaged: {problem}" if problem else "")
 
 
 def plan_rows(specs: PipelinesFile, store: ArtifactStore,

@@ -19,8 +19,9 @@ from tasks.backends.base import Runner
 from tasks.build import open_engine
 from tasks.inputs import decoder_feeds, encoder_feeds, point_feeds, read_texts, reference_outputs
 from tasks.models import load_reference, load_tokenizer
+from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec, ProfileSpec
-from tasks.store import ArtifactStore, StageResult, file_digest, stage_key, tool_versions
+from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
 
 if TYPE_CHECKING:
     import torch
@@ -29,12 +30,12 @@ PER_SAMPLE = "per_sample.csv"
 CHUNK = 8
 THREE_WAY = "three_way.json"
 TOOLS = ("torch", "transformers", "numpy")
+CODE = ("tasks.accuracy", "tasks.inputs")  # what the stage computes: their source is part of the key
 
 
 def accuracy_key(build_result: StageResult, spec: PipelineSpec) -> str:
     """Hash of the engine, the accuracy settings (not the gates, which only read metrics) and the eval text."""
-    return stage_key("accuracy", upstream={"build": build_result.key}, config=_accuracy_config(spec),
-                     data=file_digest(spec.resolve(spec.accuracy.data)), tools=tool_versions(*TOOLS))
+    return accuracy_work(spec, build_result, None).key
 
 
 def _accuracy_config(spec: PipelineSpec) -> dict[str, Any]:
@@ -42,33 +43,41 @@ def _accuracy_config(spec: PipelineSpec) -> dict[str, Any]:
             "profiles": [p.model_dump(mode="json") for p in spec.profiles]}
 
 
+def accuracy_work(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore | None) -> Work:
+    """Metrics, a per-sample table and the validity verdict for one engine (`store` finds a TensorRT
+    engine's ONNX graphs for the three-way comparison)."""
+    config, tools = _accuracy_config(spec), tool_versions(*TOOLS)
+
+    def produce(w: StageWriter, _published: StageResult | None) -> None:
+        profile = _eval_profile(spec)
+        batch = max(profile.batch[0], min(CHUNK, profile.batch[2]))
+        past = profile.past[0] if spec.model.has_past else 0
+        texts = read_texts(spec.resolve(spec.accuracy.data), spec.accuracy.samples)
+        tokenizer = load_tokenizer(spec)
+        reference = load_reference(spec)
+        with open_engine(spec, build_result) as engine:
+            if spec.model.is_decoder:
+                table, metrics = _decoder_accuracy(spec, engine, tokenizer, reference, texts, batch, past)
+            else:
+                table, metrics = _encoder_accuracy(spec, engine, tokenizer, reference, texts, batch)
+            table.to_csv(w.dir / PER_SAMPLE, index=False)
+            killpoints.reach("accuracy")
+            w.outputs.update({"metrics": metrics, "samples": len(texts), "seq_len": spec.accuracy.seq_len,
+                              "past": past, "validity": check_validity(spec, engine, tokenizer, reference, texts)})
+            if (report := three_way(spec, build_result, store, engine, tokenizer, reference, texts)) is not None:
+                (w.dir / THREE_WAY).write_text(json.dumps(report, indent=2))
+                w.outputs["three_way_passed"] = report["passed"]
+
+    parts = {"upstream": {"build": build_result.key, "files": build_result.content}, "config": config,
+             "data": file_digest(spec.resolve(spec.accuracy.data)), "tools": tools}
+    return Work(spec.name, "accuracy", parts, CODE, produce, inputs={"build": build_result.key}, config=config,
+                tools=tools)
+
+
 def run_accuracy(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore,
                  force: bool = False) -> StageResult:
     """Metrics, a per-sample table and the validity verdict for one engine."""
-    key = accuracy_key(build_result, spec)
-    if not force and (hit := store.lookup(spec.name, "accuracy", key)):
-        return hit
-    profile = _eval_profile(spec)
-    batch = max(profile.batch[0], min(CHUNK, profile.batch[2]))
-    past = profile.past[0] if spec.model.has_past else 0
-    texts = read_texts(spec.resolve(spec.accuracy.data), spec.accuracy.samples)
-    tokenizer = load_tokenizer(spec)
-    reference = load_reference(spec)
-    with open_engine(spec, build_result) as runner, \
-            store.writing(spec.name, "accuracy", key, inputs={"build": build_result.key},
-                          config=_accuracy_config(spec), tools=tool_versions(*TOOLS)) as w:
-        if spec.model.is_decoder:
-            table, metrics = _decoder_accuracy(spec, runner, tokenizer, reference, texts, batch, past)
-        else:
-            table, metrics = _encoder_accuracy(spec, runner, tokenizer, reference, texts, batch)
-        table.to_csv(w.dir / PER_SAMPLE, index=False)
-        killpoints.reach("accuracy")
-        w.outputs.update({"metrics": metrics, "samples": len(texts), "seq_len": spec.accuracy.seq_len, "past": past,
-                          "validity": check_validity(spec, runner, tokenizer, reference, texts)})
-        if (report := three_way(spec, build_result, store, runner, tokenizer, reference, texts)) is not None:
-            (w.dir / THREE_WAY).write_text(json.dumps(report, indent=2))
-            w.outputs["three_way_passed"] = report["passed"]
-    return w.result
+    return run_stage(accuracy_work(spec, build_result, store), store, force)
 
 
 def _eval_profile(spec: PipelineSpec) -> ProfileSpec:
@@ -164,8 +173,8 @@ def _decoder_accuracy(spec: PipelineSpec, runner: Runner, tokenizer: Any, refere
     return table, metrics
 
 
-def three_way(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore, runner: Runner, tokenizer: Any,
-              reference: torch.nn.Module, texts: list[str]) -> dict[str, Any] | None:
+def three_way(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore | None, engine: Runner,
+              tokenizer: Any, reference: torch.nn.Module, texts: list[str]) -> dict[str, Any] | None:
     """For TensorRT engines: FP32 ONNX vs precision ONNX vs engine at min/opt/max (where an error comes from).
 
     Recorded, not gated: the accuracy gates already judge the engine against PyTorch.
@@ -174,13 +183,13 @@ def three_way(spec: PipelineSpec, build_result: StageResult, store: ArtifactStor
         return None
     from tasks.backends.trt_compare import compare_three_way
 
-    precision = store.lookup(spec.name, "precision", build_result.manifest["inputs"]["precision"])
+    precision = store and store.lookup(spec.name, "precision", build_result.manifest["inputs"]["precision"])
     exported = precision and store.lookup(spec.name, "export", precision.manifest["inputs"]["export"])
     if not exported:
         raise FileNotFoundError(f"the ONNX graphs engine {build_result.key} was built from are gone from the store")
-    feeds = {point: point_feeds(spec, tokenizer, reference, texts, shape, runner.input_names)
+    feeds = {point: point_feeds(spec, tokenizer, reference, texts, shape, engine.input_names)
              for point, shape in spec.profiles[0].shapes().items()}
-    return compare_three_way(exported.file("model.onnx"), precision.file("model.onnx"), runner, feeds,
+    return compare_three_way(exported.file("model.onnx"), precision.file("model.onnx"), engine, feeds,
                              spec.validation.atol, spec.validation.rtol)
 
 

@@ -35,7 +35,8 @@ from tasks.measure import Contender, Rounds, measure_rounds
 from tasks.models import load_reference, load_tokenizer
 from tasks.outcome import Champion
 from tasks.spec import PipelineSpec
-from tasks.store import ArtifactStore, StageResult, file_digest, host_facts, stage_key, tool_versions
+from tasks.stage import KeepPublished, Work, run_stage
+from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, host_facts, tool_versions
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +45,7 @@ SAMPLES = "samples.csv"
 PLOT = "latency.png"
 REFERENCE = "pytorch-fp32"
 TOOLS = ("torch", "transformers", "numpy")
-VERSION = 2  # what the stage computes; part of its key
+CODE = ("tasks.benchmark", "tasks.measure", "tasks.stats", "tasks.inputs", "tasks.gpu_measure")  # part of the key
 
 OpenRunner = Callable[..., Runner]
 
@@ -78,7 +79,7 @@ def _config(spec: PipelineSpec, target_name: str) -> dict[str, Any]:
     target = spec.target(target_name)
     return {"task": spec.model.task, "benchmark": spec.benchmark.model_dump(mode="json"),
             "gate_point": spec.gate_point, "threads": benchmark_threads(spec, getattr(target, "threads", None)),
-            "method": stats.METHOD, "version": VERSION}
+            "method": stats.METHOD}
 
 
 def benchmark_key(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult],
@@ -88,16 +89,45 @@ def benchmark_key(spec: PipelineSpec, target_name: str, builds: dict[str, StageR
     The champion counts only when it is not one of the candidates (an engine with the champion's
     build key is the champion), so a candidate that becomes champion keeps its measurement.
     """
-    engines = sorted((name, build.key) for name, build in builds.items())
-    return stage_key("benchmark", target=target_name, engines=engines,
-                     champion=_extra_champion(champion, builds) and champion.build_key,
-                     config=_config(spec, target_name), data=file_digest(spec.resolve(spec.accuracy.data)),
-                     host=host_facts(), tools=tool_versions(*TOOLS))
+    return benchmark_work(spec, target_name, builds, champion).key
 
 
 def _extra_champion(champion: Champion | None, builds: dict[str, StageResult]) -> bool:
     """Whether the champion must be measured as an engine of its own (it is none of the candidates)."""
     return champion is not None and champion.build_key not in {b.key for b in builds.values()}
+
+
+def _uncontended(published: StageResult) -> bool:
+    return not published.outputs.get("host", {}).get("contended")
+
+
+def benchmark_work(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult],
+                   champion: Champion | None = None, champion_build: Callable[[], StageResult] | None = None,
+                   open_runner: OpenRunner = open_engine) -> Work:
+    """One target's engines timed side by side; a published measurement taken under contention is
+    measured again, and kept when the new one is contended too."""
+    if not builds:
+        raise ValueError(f"pipeline {spec.name}, target {target_name}: no built engine to benchmark")
+    config, tools = _config(spec, target_name), tool_versions(*TOOLS)
+    engines = sorted((name, build.key, build.content) for name, build in builds.items())
+    parts = {"target": target_name, "engines": engines,
+             "champion": _extra_champion(champion, builds) and champion.build_key, "config": config,
+             "data": file_digest(spec.resolve(spec.accuracy.data)), "host": host_facts(), "tools": tools}
+
+    def produce(w: StageWriter, published: StageResult | None) -> None:
+        with LoadWatch() as load:
+            measured = _measure(spec, target_name, builds, champion, champion_build, config, open_runner)
+        if published and load.contended:
+            raise KeepPublished  # a contended measurement never replaces a published one
+        w.outputs.update(measured.outputs | {"host": load.as_dict(), "key": w.manifest["key"]})
+        measured.samples.to_csv(w.dir / SAMPLES, index=False)
+        killpoints.reach("benchmark")
+        _plot(measured.samples, w.dir / PLOT)
+
+    inputs = {"builds": {name: b.key for name, b in builds.items()},
+              "champion": champion.build_key if champion else None}
+    return Work(spec.name, "benchmark", parts, CODE, produce, inputs=inputs, config=config, tools=tools,
+                reusable=_uncontended)
 
 
 def run_benchmark(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult], store: ArtifactStore,
@@ -109,25 +139,7 @@ def run_benchmark(spec: PipelineSpec, target_name: str, builds: dict[str, StageR
     (gone, corrupt, built for another machine) the measurement records why and goes on without it.
     `open_runner` opens an engine (a loader, Polygraphy-style); benchmarks pass one that wraps it.
     """
-    if not builds:
-        raise ValueError(f"pipeline {spec.name}, target {target_name}: no built engine to benchmark")
-    key = benchmark_key(spec, target_name, builds, champion)
-    published = store.lookup(spec.name, "benchmark", key)
-    if published and not force and not published.outputs.get("host", {}).get("contended"):
-        return published
-    config = _config(spec, target_name)
-    with LoadWatch() as load:
-        measured = _measure(spec, target_name, builds, champion, champion_build, config, open_runner)
-    if published and load.contended:
-        return published  # a contended measurement never replaces a published one
-    with store.writing(spec.name, "benchmark", key, config=config, tools=tool_versions(*TOOLS),
-                       inputs={"builds": {name: b.key for name, b in builds.items()},
-                               "champion": champion.build_key if champion else None}) as w:
-        w.outputs.update(measured.outputs | {"host": load.as_dict(), "key": key})
-        measured.samples.to_csv(w.dir / SAMPLES, index=False)
-        killpoints.reach("benchmark")
-        _plot(measured.samples, w.dir / PLOT)
-    return w.result
+    return run_stage(benchmark_work(spec, target_name, builds, champion, champion_build, open_runner), store, force)
 
 
 def for_candidate(result: StageResult, candidate: str, champion: Champion | None = None) -> StageResult:

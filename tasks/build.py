@@ -1,22 +1,32 @@
-"""Build one engine per (precision, target) from the precision stage's ONNX.
+"""Build one engine per (precision, target): from the precision stage's ONNX, or from the model itself.
 
-The key covers what the engine depends on beyond its input graph: the target's settings, the
-backend and its version, and the machine facts the engine is tied to (CPU ISA, GPU compute
-capability), so an engine built on one kind of machine is never reused on another.
+The key covers what the engine depends on beyond its source: the target's settings, the backend
+and its version, and the machine facts the engine is tied to (CPU ISA, GPU compute capability),
+so an engine built on one kind of machine is never reused on another. A backend whose table
+entry says `source: torch` (Inductor) builds from the HF model, so its candidates have no
+export, validate or precision stage.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import time
 from pathlib import Path
 from typing import Any
 
 from tasks import killpoints
 from tasks.backends.base import Backend, BackendUnavailable, Runner, get_backend
+from tasks.backends.table import BACKENDS
+from tasks.models import model_source_digest
+from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec, ProfileSpec, TargetSpec
-from tasks.store import ArtifactStore, StageResult, stage_key, tool_versions
+from tasks.store import ArtifactStore, StageResult, StageWriter, tool_versions
 
-CACHE_DIR = "_cache"
+STAGE = "build"
+CODE = ("tasks.build",)  # what the stage computes (with the backend's module): part of the key
+TORCH_TOOLS = ("torch", "transformers")
 
 
 class BuildUnavailable(BackendUnavailable):
@@ -26,57 +36,109 @@ class BuildUnavailable(BackendUnavailable):
 def build_key(precision_result: StageResult, target: TargetSpec, backend: Backend,
               profiles: list[ProfileSpec]) -> str:
     """Hash of the precision graph, the target and its profiles, the backend version, this machine."""
-    return _build_inputs(precision_result, target, backend, profiles)[0]
+    upstream = {"precision": precision_result.key, "files": precision_result.content}
+    parts = _key_parts(target, backend, profiles, upstream)
+    return Work("", STAGE, parts, _code(target), _nothing).key
 
 
-def _build_inputs(precision_result: StageResult, target: TargetSpec, backend: Backend,
-                  profiles: list[ProfileSpec]) -> tuple[str, dict[str, Any], dict[str, str], dict[str, Any]]:
-    """The key and what it hashes (config and tools for the manifest, hardware for the outputs), computed once.
+def _nothing(*_: Any) -> None:
+    """A key alone is wanted: nothing is produced."""
 
-    The target's name is part of it: an engine records the target it was built for, and its
-    runner and benchmark read that target's settings back.
-    """
+
+def _key_parts(target: TargetSpec, backend: Backend, profiles: list[ProfileSpec],
+               upstream: dict[str, Any]) -> dict[str, Any]:
+    """What an engine depends on beyond its source: the target's settings and profiles, the backend and its
+    version, and the machine facts it is tied to (CPU ISA, GPU compute capability)."""
+    torch_tools = BACKENDS[target.backend].source == "torch"
     config = {"target": target.model_dump(mode="json"), "profiles": [p.model_dump(mode="json") for p in profiles]}
-    tools = {backend.name: backend.version(), **tool_versions("onnx")}
-    hardware = backend.hardware(target)
-    key = stage_key("build", upstream={"precision": precision_result.key}, config=config, tools=tools,
-                    hardware=hardware)
-    return key, config, tools, hardware
+    return {"upstream": upstream, "config": config,
+            "tools": {backend.name: backend.version(), **tool_versions(*(TORCH_TOOLS if torch_tools else ("onnx",)))},
+            "hardware": backend.hardware(target)}
 
 
-def run_build(spec: PipelineSpec, precision_result: StageResult, target_name: str, store: ArtifactStore,
-              force: bool = False) -> StageResult:
-    """The engine for `target_name`; raises BuildUnavailable when this machine cannot build it."""
+def _code(target: TargetSpec) -> tuple[str, ...]:
+    """This stage's code and the backend's (its module and the backend modules it imports): a fix in
+    any of them rebuilds the engines it touches."""
+    module = BACKENDS[target.backend].module
+    return CODE + tuple(sorted({"tasks.backends.base", module, *backend_imports(module)}))
+
+
+@functools.cache
+def backend_imports(module: str) -> tuple[str, ...]:
+    """The `tasks.backends` modules a backend module imports (e.g. TensorRT's trt_plan)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return ()
+    found = set()
+    for node in ast.walk(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module == "tasks.backends":
+            found |= {f"tasks.backends.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tasks.backends."):
+            found.add(node.module)
+    return tuple(sorted(found))
+
+
+def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_result: StageResult | None) -> Work:
+    """The engine for one (precision, target); raises BuildUnavailable when this machine cannot build it.
+
+    An `onnx` backend builds from the precision stage's graph (`precision_result`); a `torch` one
+    from the model's own files, for `precision` (it has no precision stage: None). The target's name
+    is part of the key: an engine records the target it was built for, and its runner and benchmark
+    read that target's settings back.
+    """
     target = spec.target(target_name)
     backend = get_backend(target.backend)
-    why = backend.missing(target)
-    if why:
+    if why := backend.missing(target):
         raise BuildUnavailable(f"pipeline {spec.name}, target {target.name} ({backend.name}): cannot build "
                                f"here: {why}")
-    key, config, tools, hardware = _build_inputs(precision_result, target, backend, list(spec.profiles))
-    if not force and (hit := store.lookup(spec.name, "build", key)):
-        return hit
-    source = backend.source_model(precision_result.path)
-    if not source.is_file():
-        raise FileNotFoundError(f"precision output {precision_result.path} has no {source.name} to build "
-                                f"target {target.name} from")
-    cache_dir = store.root / CACHE_DIR / backend.name
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with store.writing(spec.name, "build", key, inputs={"precision": precision_result.key}, config=config,
-                       tools=tools) as w:
+    from_torch = BACKENDS[target.backend].source == "torch"
+    profiles = list(spec.profiles)
+    if from_torch and spec.model_dir is None:
+        raise BuildUnavailable(f"pipeline {spec.name}, target {target.name}: backend {backend.name} builds from the "
+                               "model's own files; set model.path to a local copy of the model")
+    if from_torch:
+        upstream: dict[str, Any] = {"model": model_source_digest(spec), "task": spec.model.task, "precision": precision}
+    elif precision_result is None:
+        raise ValueError(f"pipeline {spec.name}, target {target.name}: backend {backend.name} builds from the "
+                         "precision stage's ONNX, and none was given")
+    else:
+        upstream = {"precision": precision_result.key}
+    files = {} if from_torch else {"files": precision_result.content}
+    parts = _key_parts(target, backend, profiles, upstream | files)
+
+    def produce(w: StageWriter, _published: StageResult | None) -> None:
         started = time.perf_counter()
-        facts = backend.build(source, target, list(spec.profiles), w.dir, cache_dir)
+        if from_torch:
+            source_name = "model"
+            facts = backend.build_from_model(spec.model_dir, spec.model.task, precision, target, profiles, w.dir)
+        else:
+            source = backend.source_model(precision_result.path)
+            if not source.is_file():
+                raise FileNotFoundError(f"precision output {precision_result.path} has no {source.name} to build "
+                                        f"target {target.name} from")
+            source_name = source.name
+            facts = backend.build(source, target, profiles, w.dir, w.cache_dir(backend.name))
         build_seconds = time.perf_counter() - started
         killpoints.reach("build")
         if not (w.dir / backend.engine_file).is_file():
             raise RuntimeError(f"backend {backend.name} did not write its engine {backend.engine_file} "
                                f"for target {target.name}")
         w.outputs.update({"backend": backend.name, "backend_version": backend.version(),
-                          "engine_file": backend.engine_file, "hardware": hardware})
+                          "engine_file": backend.engine_file, "hardware": parts["hardware"]})
         w.outputs.update(facts)
         w.outputs.update({"build_seconds": round(build_seconds, 3), "target": target.name,
-                          "precision": precision_result.outputs.get("precision"), "source_model": source.name})
-    return w.result
+                          "precision": precision if from_torch else precision_result.outputs.get("precision"),
+                          "source_model": source_name})
+
+    return Work(spec.name, STAGE, parts, _code(target), produce, inputs=upstream, config=parts["config"],
+                tools=parts["tools"])
+
+
+def run_build(spec: PipelineSpec, precision_result: StageResult | None, target_name: str, store: ArtifactStore,
+              force: bool = False, precision: str | None = None) -> StageResult:
+    """The engine for `target_name`; raises BuildUnavailable when this machine cannot build it."""
+    precision = precision or (precision_result.outputs.get("precision") if precision_result else None)
+    return run_stage(build_work(spec, target_name, precision, precision_result), store, force)
 
 
 def open_engine(spec: PipelineSpec, build_result: StageResult, threads: int | None = None) -> Runner:

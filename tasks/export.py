@@ -16,36 +16,38 @@ import onnx
 
 from tasks import killpoints
 from tasks.models import load_tokenizer, model_source_digest
+from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec
-from tasks.store import ArtifactStore, StageResult, stage_key, tool_versions
+from tasks.store import ArtifactStore, StageResult, StageWriter, tool_versions
 
 ONNX_FILE = "model.onnx"
 TOOLS = ("torch", "transformers", "optimum", "optimum-onnx", "onnx")
+CODE = ("tasks.export",)  # what the stage computes: its source is part of the key
 
 
 def export_key(spec: PipelineSpec) -> str:
-    return _export_inputs(spec)[0]
+    return export_work(spec).key
 
 
-def _export_inputs(spec: PipelineSpec) -> tuple[str, str, dict[str, Any]]:
-    """The key, the model's identity and the config it hashes: computed once (hashing weights costs time)."""
+def export_work(spec: PipelineSpec) -> Work:
+    """The export of the model's files for one task and opset (hashing the weights happens once, here)."""
     source = model_source_digest(spec)
     config = {"task": spec.model.task, "opset": spec.export.opset}
-    return stage_key("export", upstream=source, config=config, tools=tool_versions(*TOOLS)), source, config
+    tools = tool_versions(*TOOLS)
 
-
-def run_export(spec: PipelineSpec, store: ArtifactStore, force: bool = False) -> StageResult:
-    """Export the model to artifacts/<pipeline>/export/<key>/model.onnx with its tokenizer and config."""
-    key, source, config = _export_inputs(spec)
-    if not force and (hit := store.lookup(spec.name, "export", key)):
-        return hit
-    with store.writing(spec.name, "export", key, inputs={"model_source": source}, config=config,
-                       tools=tool_versions(*TOOLS)) as w:
+    def produce(w: StageWriter, _published: StageResult | None) -> None:
         _export(spec, w.dir, spec.export.opset)
         killpoints.reach("export")
         load_tokenizer(spec).save_pretrained(w.dir)
         w.outputs.update(describe_onnx(w.dir / ONNX_FILE) | {"task": spec.model.task, "model_source": source})
-    return w.result
+
+    return Work(spec.name, "export", {"upstream": source, "config": config, "tools": tools}, CODE, produce,
+                inputs={"model_source": source}, config=config, tools=tools)
+
+
+def run_export(spec: PipelineSpec, store: ArtifactStore, force: bool = False) -> StageResult:
+    """Export the model to artifacts/<pipeline>/export/<key>/model.onnx with its tokenizer and config."""
+    return run_stage(export_work(spec), store, force)
 
 
 def _export(spec: PipelineSpec, out_dir: Path, opset: int) -> None:

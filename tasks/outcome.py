@@ -97,12 +97,18 @@ class CandidateOutcome:
                                        for r in RATIOS if f"{r}_ci_low" in self.metrics},
             "error": self.error,
             "failed_stage": self.failed_stage,
-            "stages": {name: {"key": r.key, "cached": r.cached} | _contended(r) for name, r in self.stages.items()},
+            "stages": {name: {"key": r.key, "cached": r.cached} | _contended(r) | _repaired(r)
+                       for name, r in self.stages.items()},
             "mlflow_run_id": self.run_id,
             "registered_model": self.model_name,
             "model_version": self.model_version,
             "decision": self.decision.as_dict() if self.decision else None,
         }
+
+
+def _repaired(stage: StageResult) -> dict[str, str]:
+    """A damaged earlier output of this stage was moved aside and rebuilt: where it went and why."""
+    return {"repaired": stage.repaired} if stage.repaired else {}
 
 
 def _contended(stage: StageResult) -> dict[str, bool]:

@@ -25,14 +25,16 @@ import onnxruntime as ort
 
 from tasks import inputs, killpoints, models
 from tasks.qdq_lint import check_qdq
+from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec
-from tasks.store import ArtifactStore, StageResult, file_digest, stage_key, tool_versions
+from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
 
 if TYPE_CHECKING:
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod
 
 STAGE = "precision"
 TOOLS = ("onnx", "onnxruntime")
+CODE = ("tasks.precision", "tasks.qdq_lint", "tasks.inputs")  # what the stage computes: part of the key
 MODEL_FILE = "model.onnx"
 CPU_MODEL_FILE = "model.cpu.onnx"
 CALIBRATION_FILE = "calibration.json"
@@ -45,8 +47,34 @@ FORMATS = {"fp32": "passthrough", "fp16": "cast-fp16", "int8": "qdq-s8-tensorrt"
 
 def precision_key(export_result: StageResult, spec: PipelineSpec, precision: str) -> str:
     """Export key + precision; for int8 also the quantization, calibration config and data digest."""
-    return stage_key(STAGE, upstream={"export": export_result.key}, config=_config(spec, precision),
-                     tools=tool_versions(*TOOLS))
+    return precision_work(spec, export_result, precision).key
+
+
+def precision_work(spec: PipelineSpec, export_result: StageResult, precision: str) -> Work:
+    """The exported graph rewritten for one precision (Cast nodes, or calibrated Q/DQ for int8)."""
+    if precision not in FORMATS:
+        raise ValueError(f"pipeline {spec.name}: precision {precision!r} has no graph rewrite here; "
+                         f"supported: {', '.join(FORMATS)} (bf16 is not: ONNX Runtime's CPU kernels cannot "
+                         "run a bf16 graph, so its accuracy could not be checked before a GPU build)")
+    config, tools = _config(spec, precision), tool_versions(*TOOLS)
+
+    def produce(w: StageWriter, _published: StageResult | None) -> None:
+        source = export_result.file(MODEL_FILE)
+        if not source.is_file():
+            raise FileNotFoundError(f"pipeline {spec.name}: export output {source} is missing")
+        if precision == "fp32":
+            _save(onnx.load(str(source)), w.dir / MODEL_FILE)
+            w.outputs.update(_outputs(precision))
+        elif precision == "fp16":
+            _save(to_fp16(onnx.load(str(source))), w.dir / MODEL_FILE)
+            w.outputs.update(_outputs(precision))
+        else:
+            w.outputs.update(_int8(spec, source, w.dir))
+
+    parts = {"upstream": {"export": export_result.key, "files": export_result.content}, "config": config,
+             "tools": tools}
+    return Work(spec.name, STAGE, parts, CODE, produce, inputs={"export": export_result.key}, config=config,
+                tools=tools)
 
 
 def _config(spec: PipelineSpec, precision: str) -> dict[str, Any]:
@@ -61,28 +89,7 @@ def _config(spec: PipelineSpec, precision: str) -> dict[str, Any]:
 def run_precision(spec: PipelineSpec, export_result: StageResult, precision: str, store: ArtifactStore,
                   force: bool = False) -> StageResult:
     """Write the graph for one precision (cached by precision_key)."""
-    if precision not in FORMATS:
-        raise ValueError(f"pipeline {spec.name}: precision {precision!r} has no graph rewrite here; "
-                         f"supported: {', '.join(FORMATS)} (bf16 is not: ONNX Runtime's CPU kernels cannot "
-                         "run a bf16 graph, so its accuracy could not be checked before a GPU build)")
-    key = precision_key(export_result, spec, precision)
-    if not force and (hit := store.lookup(spec.name, STAGE, key)):
-        return hit
-    source = export_result.file(MODEL_FILE)
-    if not source.is_file():
-        raise FileNotFoundError(f"pipeline {spec.name}: export output {source} is missing")
-    config = _config(spec, precision)
-    with store.writing(spec.name, STAGE, key, inputs={"export": export_result.key}, config=config,
-                       tools=tool_versions(*TOOLS)) as w:
-        if precision == "fp32":
-            _save(onnx.load(str(source)), w.dir / MODEL_FILE)
-            w.outputs.update(_outputs(precision))
-        elif precision == "fp16":
-            _save(to_fp16(onnx.load(str(source))), w.dir / MODEL_FILE)
-            w.outputs.update(_outputs(precision))
-        else:
-            w.outputs.update(_int8(spec, source, w.dir))
-    return w.result
+    return run_stage(precision_work(spec, export_result, precision), store, force)
 
 
 def _outputs(precision: str, **extra: Any) -> dict[str, Any]:

@@ -1,30 +1,43 @@
 """Content-addressed stage outputs: artifacts/<pipeline>/<stage>/<key>/ with a manifest.json.
 
-The key hashes what determines the output (upstream keys, the stage's config, tool versions),
-never a timestamp, so an unchanged re-run finds every stage already done. Writes go to a temp
-dir that is renamed into place only when complete: a half-written stage never looks done.
+The key hashes what determines the output (upstream keys, the stage's config, tool versions, the
+stage's own code), never a timestamp, so an unchanged re-run finds every stage already done.
+Writes go to a temp dir that is renamed into place only when complete: a half-written stage never
+looks done. An output is trusted only when every file matches the sha256 its manifest recorded; a
+damaged one is moved aside (kept for inspection) and counts as absent, so its stage rebuilds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+MANIFEST_DIGEST = "manifest_sha256"
 KEY_LENGTH = 16
-STALE_TEMP_S = 24 * 3600
+CORRUPT_DIR = "_corrupt"
+LOCKS_DIR = "_locks"
+TOOL_CACHES = "_cache"
+HASH_CACHE = Path(TOOL_CACHES) / "sha256.json"
+FOREIGN_TEMP_S = 24 * 3600
+
+log = logging.getLogger("smelter.store")
 
 
 def tool_versions(*packages: str) -> dict[str, str]:
@@ -80,7 +93,11 @@ def host_facts() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class StageResult:
-    """A finished stage output on disk; what downstream stages and the tracker read."""
+    """A finished stage output on disk; what downstream stages and the tracker read.
+
+    `repaired` says why a damaged earlier output of this key was moved aside, and where, when this
+    run rebuilt it.
+    """
 
     pipeline: str
     stage: str
@@ -88,9 +105,17 @@ class StageResult:
     path: Path
     manifest: dict[str, Any] = field(hash=False, compare=False)
     cached: bool = False
+    repaired: str | None = None
 
     def file(self, name: str) -> Path:
         return self.path / name
+
+    @property
+    def content(self) -> str:
+        """A digest of its files' hashes, for downstream keys: a rebuilt output that differs in any byte (a
+        build that is not bit-reproducible) is judged and measured again, never credited with the old one's."""
+        files = {name: meta.get("sha256") for name, meta in sorted(self.manifest.get("files", {}).items())}
+        return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:KEY_LENGTH]
 
     @property
     def outputs(self) -> dict[str, Any]:
@@ -103,25 +128,77 @@ class ArtifactStore:
 
     def __init__(self, root: str | os.PathLike = "artifacts"):
         self.root = Path(root).resolve()
+        self.hashes = HashCache(self.root / HASH_CACHE)
 
     def path(self, pipeline: str, stage: str, key: str) -> Path:
         return self.root / pipeline / stage / key
 
     def lookup(self, pipeline: str, stage: str, key: str) -> StageResult | None:
-        """The finished output for this key, or None (a missing manifest or a file of the wrong size counts as absent).
+        """The verified output for this key, or None; a damaged one is moved aside first."""
+        return self.check(pipeline, stage, key)[0]
 
-        Sizes, not hashes, are checked: a lookup must stay cheap for a warm run over gigabyte engines.
+    def check(self, pipeline: str, stage: str, key: str, *,
+              repair: bool = True) -> tuple[StageResult | None, str | None]:
+        """The verified output for this key (or None), and what was wrong with the entry when it was damaged.
+
+        Every file must match the sha256 in the manifest (the hash cache spares re-reading files
+        unchanged since they were last hashed). With `repair` a damaged entry is moved to
+        `<stage>/_corrupt/<key>-<UTC time>`, under the key's lock, and the message says where.
         """
         final = self.path(pipeline, stage, key)
+        result, problem = self._verify(pipeline, stage, key, final)
+        if problem is None or not repair:
+            return result, problem
+        with self.key_lock(pipeline, stage, key):
+            result, problem = self._verify(pipeline, stage, key, final)
+            if problem is None:
+                return result, None
+            aside = final.parent / CORRUPT_DIR / f"{key}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S.%fZ}"
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(final, aside)
+            except FileNotFoundError:
+                return None, None
+        note = f"{pipeline}/{stage}/{key}: {problem}; moved aside to {aside.relative_to(self.root)}, rebuilding"
+        log.warning(note)
+        return None, note
+
+    def _verify(self, pipeline: str, stage: str, key: str, final: Path) -> tuple[StageResult | None, str | None]:
+        if not final.exists():
+            return None, None
         try:
             manifest = json.loads((final / MANIFEST).read_text())
-        except (OSError, ValueError):
-            return None
-        for name, meta in manifest.get("files", {}).items():
-            target = final / name
-            if not target.is_file() or target.stat().st_size != meta["bytes"]:
-                return None
-        return StageResult(pipeline, stage, key, final, manifest, cached=True)
+            if MANIFEST_DIGEST not in manifest:
+                return None, f"{MANIFEST} has no {MANIFEST_DIGEST} (written by an older smelter, or edited)"
+            if manifest.pop(MANIFEST_DIGEST) != _manifest_digest(manifest):
+                return None, f"{MANIFEST} does not match its own sha256"
+            files = manifest["files"]
+            expected = {str(name): (int(meta["bytes"]), str(meta["sha256"])) for name, meta in files.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return None, f"unreadable manifest ({type(e).__name__})"
+        actual = {str(p.relative_to(final)) for p in final.rglob("*") if p.is_file()} - {MANIFEST}
+        if unlisted := sorted(actual - set(expected)):
+            return None, f"files not in the manifest: {', '.join(unlisted[:5])}"
+        for name, (size, sha256) in sorted(expected.items()):
+            path = final / name
+            try:
+                stat = path.stat()
+            except OSError:
+                return None, f"{name} is missing"
+            if stat.st_size != size:
+                return None, f"{name} has {stat.st_size} bytes, the manifest says {size}"
+            if self.hashes.digest(path, stat) != sha256:
+                return None, f"{name} does not match its sha256 in the manifest"
+        self.hashes.save()
+        return StageResult(pipeline, stage, key, final, manifest, cached=True), None
+
+    @contextlib.contextmanager
+    def key_lock(self, pipeline: str, stage: str, key: str) -> Iterator[None]:
+        """This host's lock on one key (a file lock in the store): one builder, one repairer at a time."""
+        path = self.root / LOCKS_DIR / pipeline / stage / f"{key}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(path):
+            yield
 
     @contextlib.contextmanager
     def writing(self, pipeline: str, stage: str, key: str, *, inputs: dict[str, Any] | None = None,
@@ -129,8 +206,9 @@ class ArtifactStore:
         """Collect a stage's files in a temp dir; publish them atomically on success, drop them on error."""
         final = self.path(pipeline, stage, key)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
-        writer = StageWriter(tmp, pipeline, stage, key, inputs or {}, _canonical(config), tools or {})
+        tmp = owned_temp_dir(final.parent, key)
+        writer = StageWriter(tmp, pipeline, stage, key, inputs or {}, _canonical(config), tools or {},
+                             self.root / TOOL_CACHES)
         try:
             yield writer
             writer.finish()
@@ -139,28 +217,120 @@ class ArtifactStore:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+        for name, meta in writer.manifest["files"].items():
+            self.hashes.remember(final / name, meta["sha256"])
+        self.hashes.save()
         writer.result = StageResult(pipeline, stage, key, final, writer.manifest, cached=False)
 
-    def clean_temp(self, pipeline: str, older_than_s: float = STALE_TEMP_S) -> None:
-        """Remove one pipeline's temp dirs left by a killed process: old enough that no live run is writing them."""
-        cutoff = time.time() - older_than_s
+    def clean_temp(self, pipeline: str) -> list[Path]:
+        """Remove one pipeline's temp dirs whose writer is gone; the ones removed.
+
+        A temp dir's name says which process on which boot of which host made it: one of this host's
+        dead processes is removed at once, a live one never; one from another host (or of an older
+        naming) only after FOREIGN_TEMP_S, since its process cannot be asked.
+        """
+        removed = []
         for tmp in (self.root / pipeline).glob("*/.*.*"):
-            if tmp.stat().st_mtime < cutoff:
+            if tmp.is_dir() and _writer_gone(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp)
+        return removed
+
+
+class HashCache:
+    """sha256 of files keyed by (path, size, mtime_ns, ctime_ns, inode): warm runs skip re-reading big engines.
+
+    Any change to a file changes its size, mtime or ctime (ctime cannot be set back by a writer),
+    so an entry is only reused for the very bytes it was computed from. The cache file carries a
+    digest of its own entries; one that is unreadable or fails that check is ignored entirely.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._entries: dict[str, list[Any]] | None = None
+        self._dirty = False
+        self._lock = threading.RLock()
+        self.hits = 0
+
+    @staticmethod
+    def _stamp(stat: os.stat_result) -> list[int]:
+        return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+
+    def _load(self) -> dict[str, list[Any]]:
+        if self._entries is None:
+            self._entries = {}
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+                saved = json.loads(self.path.read_text())
+                if saved["digest"] == _entries_digest(saved["entries"]):
+                    self._entries = dict(saved["entries"])
+        return self._entries
+
+    def digest(self, path: Path, stat: os.stat_result) -> str:
+        stamp = self._stamp(stat)
+        with self._lock:
+            entry = self._load().get(str(path))
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] == stamp:
+            self.hits += 1
+            return str(entry[1])
+        sha256 = file_digest(path)
+        if self._stamp(path.stat()) == stamp:  # unchanged while it was read
+            with self._lock:
+                self._load()[str(path)] = [stamp, sha256]
+                self._dirty = True
+        return sha256
+
+    def remember(self, path: Path, sha256: str) -> None:
+        with self._lock:
+            self._load()[str(path)] = [self._stamp(path.stat()), sha256]
+            self._dirty = True
+
+    def save(self) -> None:
+        """Write the cache atomically (temp file + rename); entries of files gone are dropped."""
+        with self._lock:
+            if not self._dirty or self._entries is None:
+                return
+            self._entries = {p: e for p, e in self._entries.items() if os.path.exists(p)}
+            blob = json.dumps({"entries": self._entries, "digest": _entries_digest(self._entries)})
+            self._dirty = False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(blob)
+            os.replace(tmp, self.path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    """The manifest's own sha256: its outputs (metrics, measurements) are results too, and must not drift."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def _entries_digest(entries: Any) -> str:
+    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
 
 
 class StageWriter:
     """Handed to a stage while it writes; `dir` is where its files go."""
 
     def __init__(self, tmp: Path, pipeline: str, stage: str, key: str, inputs: dict, config: Any,
-                 tools: dict[str, str]):
+                 tools: dict[str, str], tool_caches: Path):
         self.dir = tmp
+        self._tool_caches = tool_caches
         self.outputs: dict[str, Any] = {}
         self.result: StageResult | None = None
         self._started = time.perf_counter()
         self.manifest: dict[str, Any] = {
             "pipeline": pipeline, "stage": stage, "key": key, "inputs": inputs, "config": config,
             "tools": tools, "host": host_facts()}
+
+    def cache_dir(self, tool: str) -> Path:
+        """A cache one tool keeps across outputs (TensorRT's timing cache): outside every output, never hashed."""
+        path = self._tool_caches / tool
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def finish(self) -> None:
         files = {}
@@ -169,14 +339,81 @@ class StageWriter:
         self.manifest |= {"outputs": _canonical(self.outputs), "files": files,
                           "seconds": round(time.perf_counter() - self._started, 3),
                           "created_unix": round(time.time(), 3)}
-        (self.dir / MANIFEST).write_text(json.dumps(self.manifest, indent=2, default=str))
+        self.manifest = json.loads(json.dumps(self.manifest, default=str))  # exactly what a lookup reads back
+        sealed = self.manifest | {MANIFEST_DIGEST: _manifest_digest(self.manifest)}
+        (self.dir / MANIFEST).write_text(json.dumps(sealed, indent=2))
+
+
+def _machine_id() -> str:
+    """This host in this boot: process ids are comparable only within it."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return hashlib.sha256(f"{socket.gethostname()}/{boot}".encode()).hexdigest()[:10]
+
+
+def _process_start(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (None when it is gone): tells a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def owned_temp_dir(parent: Path, key: str) -> Path:
+    """A temp dir named `.<key>.<machine>-<pid>-<start>.<random>`, so a later run can tell whether its writer lives."""
+    pid = os.getpid()
+    owner = f"{_machine_id()}-{pid}-{_process_start(pid) or 0}"
+    return Path(tempfile.mkdtemp(prefix=f".{key}.{owner}.", dir=parent))
+
+
+def _writer_gone(tmp: Path) -> bool:
+    parts = tmp.name.split(".")
+    owner = parts[2].split("-") if len(parts) == 4 else []
+    if len(owner) == 3 and owner[0] == _machine_id() and owner[1].isdigit():
+        return _process_start(int(owner[1])) != owner[2]
+    try:
+        return tmp.stat().st_mtime < time.time() - FOREIGN_TEMP_S
+    except OSError:
+        return False
+
+
+_held: dict[str, tuple[int, int]] = {}
+_held_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock, re-entrant within this process (a repair inside a build holds it already)."""
+    name = str(path)
+    with _held_lock:
+        fd, depth = _held.get(name, (-1, 0))
+        if depth:
+            _held[name] = (fd, depth + 1)
+    if not depth:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with _held_lock:
+            _held[name] = (fd, 1)
+    try:
+        yield
+    finally:
+        with _held_lock:
+            fd, depth = _held[name]
+            if depth > 1:
+                _held[name] = (fd, depth - 1)
+            else:
+                del _held[name]
+                os.close(fd)  # closing releases the flock
 
 
 def _publish(tmp: Path, final: Path, key: str) -> None:
     """Move a finished temp dir into place; an output it replaces is moved aside first, never deleted before."""
     if final.exists():
-        aside = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
-        os.replace(final, aside)
+        aside = owned_temp_dir(final.parent, key)
+        os.replace(final, aside / "replaced")
         os.replace(tmp, final)
         shutil.rmtree(aside, ignore_errors=True)
     else:

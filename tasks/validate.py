@@ -17,8 +17,9 @@ import numpy as np
 
 from tasks.inputs import point_feeds, read_texts, reference_outputs
 from tasks.models import load_reference, load_tokenizer
+from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec
-from tasks.store import ArtifactStore, StageResult, file_digest, stage_key, tool_versions
+from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 TOOLS = ("onnxruntime", "polygraphy", "torch", "transformers")
 REPORT = "report.json"
 ERROR_STAT = "elemwise"
+CODE = ("tasks.validate", "tasks.inputs")  # what the stage computes: their source is part of the key
 
 
 class ValidationFailed(Exception):
@@ -69,7 +71,24 @@ def torch_reference_runner(model: torch.nn.Module, task: str, inputs: dict[str, 
 
 
 def validate_key(export_result: StageResult, spec: PipelineSpec) -> str:
-    return stage_key("validate", upstream=export_result.key, config=_config(spec), tools=tool_versions(*TOOLS))
+    return validate_work(spec, export_result).key
+
+
+def validate_work(spec: PipelineSpec, export_result: StageResult) -> Work:
+    """The export compared with PyTorch; producing raises ValidationFailed (publishing nothing) when they disagree."""
+    config, tools = _config(spec), tool_versions(*TOOLS)
+
+    def produce(w: StageWriter, _published: StageResult | None) -> None:
+        report = compare(spec, export_result)
+        if not report["passed"]:
+            raise ValidationFailed(f"pipeline {spec.name}: the ONNX export {export_result.key} does not match "
+                                   "PyTorch:\n  " + "\n  ".join(report["failures"]))
+        (w.dir / REPORT).write_text(json.dumps(report, indent=2))
+        w.outputs.update({name: report[name] for name in ("passed", "points", "outputs", "nan_inf")})
+
+    parts = {"upstream": [export_result.key, export_result.content], "config": config, "tools": tools}
+    return Work(spec.name, "validate", parts, CODE, produce, inputs={"export": export_result.key}, config=config,
+                tools=tools)
 
 
 def _config(spec: PipelineSpec) -> dict[str, Any]:
@@ -169,15 +188,4 @@ def compare(spec: PipelineSpec, export_result: StageResult) -> dict[str, Any]:
 def run_validate(spec: PipelineSpec, export_result: StageResult, store: ArtifactStore,
                  force: bool = False) -> StageResult:
     """Compare the export with PyTorch; raise ValidationFailed (writing nothing) when it disagrees."""
-    key = validate_key(export_result, spec)
-    if not force and (hit := store.lookup(spec.name, "validate", key)):
-        return hit
-    report = compare(spec, export_result)
-    if not report["passed"]:
-        raise ValidationFailed(f"pipeline {spec.name}: the ONNX export {export_result.key} does not match PyTorch:\n  "
-                               + "\n  ".join(report["failures"]))
-    with store.writing(spec.name, "validate", key, inputs={"export": export_result.key}, config=_config(spec),
-                       tools=tool_versions(*TOOLS)) as w:
-        (w.dir / REPORT).write_text(json.dumps(report, indent=2))
-        w.outputs.update({name: report[name] for name in ("passed", "points", "outputs", "nan_inf")})
-    return w.result
+    return run_stage(validate_work(spec, export_result), store, force)

@@ -1,0 +1,110 @@
+"""The stage graph of one pipeline, written once: the flow runs it and `smelter plan` reads it.
+
+A candidate's chain depends on where its backend builds from (tasks/backends/table.py): an
+`onnx` backend builds from the precision stage's graph, so its chain is export → validate →
+precision → build → accuracy; a `torch` backend (Inductor) builds from the model's own files, so
+its chain is build → accuracy. A target's benchmark then measures all its built candidates.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tasks import accuracy, benchmark, build, export, precision, validate
+from tasks.backends.base import BackendUnavailable, get_backend
+from tasks.backends.table import BACKENDS
+from tasks.outcome import Champion
+from tasks.spec import Candidate, PipelineSpec
+from tasks.stage import Work
+from tasks.store import ArtifactStore, StageResult
+
+Ref = tuple[str, str]
+"""(stage, node): one stage output of a run, e.g. ("precision", "minilm/int8")."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of the graph.
+
+    Args:
+        stage: the stage it runs.
+        node: what it is for (pipeline, pipeline/precision, candidate or pipeline/target).
+        needs: the outputs it is computed from, in the order `work` takes them.
+        work: the stage's description of this output, given the outputs it needs.
+        target: the target it runs for (build, accuracy, benchmark), whose backend may be missing here.
+    """
+
+    stage: str
+    node: str
+    needs: tuple[Ref, ...]
+    work: Callable[..., Work]
+    target: str | None = None
+
+    @property
+    def ref(self) -> Ref:
+        return self.stage, self.node
+
+
+def builds_from_torch(spec: PipelineSpec, target_name: str) -> bool:
+    return BACKENDS[spec.target(target_name).backend].source == "torch"
+
+
+def candidate_steps(spec: PipelineSpec, candidate: Candidate, store: ArtifactStore | None = None) -> list[Step]:
+    """The steps that make one candidate's engine and judge its accuracy, in running order.
+
+    Order also gates: a step runs only when every step before it succeeded (a failed validate
+    stops the ONNX chain before any precision or engine is made from a wrong export).
+    """
+    p, t, label = candidate.precision, candidate.target, candidate.name
+    judged = functools.partial(Step, "accuracy", label, work=lambda b: accuracy.accuracy_work(spec, b, store), target=t)
+    if builds_from_torch(spec, t):
+        built = Step("build", label, (), lambda: build.build_work(spec, t, p, None), target=t)
+        return [built, judged((built.ref,))]
+    exported = Step("export", spec.name, (), lambda: export.export_work(spec))
+    validated = Step("validate", spec.name, (exported.ref,), lambda e: validate.validate_work(spec, e))
+    precise = Step("precision", f"{spec.name}/{p}", (exported.ref,),
+                   lambda e: precision.precision_work(spec, e, p))
+    built = Step("build", label, (precise.ref,), lambda r: build.build_work(spec, t, p, r), target=t)
+    return [exported, validated, precise, built, judged((built.ref,))]
+
+
+def benchmark_step(spec: PipelineSpec, target: str, candidates: list[str], champion: Champion | None,
+                   champion_build: Callable[[], StageResult] | None = None) -> Step:
+    """The target's side-by-side measurement of its built candidates (named by candidate) and the champion."""
+    needs = tuple(("build", name) for name in candidates)
+
+    def work(*builds: StageResult) -> Work:
+        return benchmark.benchmark_work(spec, target, dict(zip(candidates, builds)), champion, champion_build)
+
+    return Step("benchmark", f"{spec.name}/{target}", needs, work, target=target)
+
+
+def pipeline_steps(spec: PipelineSpec, candidates: list[Candidate],
+                   champions: dict[str, Champion | None] | None = None) -> list[Step]:
+    """Every step of a run over `candidates`, each once, in running order (what `smelter plan` lists)."""
+    champions = champions or {}
+    steps: dict[Ref, Step] = {}
+    for candidate in candidates:
+        for step in candidate_steps(spec, candidate):
+            steps.setdefault(step.ref, step)
+    for target in dict.fromkeys(c.target for c in candidates):
+        names = [c.name for c in candidates if c.target == target]
+        step = benchmark_step(spec, target, names, champions.get(target))
+        steps[step.ref] = step
+    return list(steps.values())
+
+
+def unavailable(spec: PipelineSpec, target_name: str) -> str | None:
+    """Why this machine cannot build or run the target's engines (its backend absent, wrong GPU), or None."""
+    try:
+        return get_backend(spec.target(target_name).backend).missing(spec.target(target_name))
+    except BackendUnavailable as e:
+        return str(e)
+
+
+def call_work(step: Step, outputs: dict[Ref, Any]) -> Work:
+    """The step's Work from the outputs it needs (all present)."""
+    return step.work(*(outputs[ref] for ref in step.needs))
