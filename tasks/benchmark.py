@@ -27,7 +27,6 @@ import pandas as pd
 
 from tasks import killpoints, stats
 from tasks.backends.base import BackendUnavailable, Runner
-from tasks.backends.table import BACKENDS
 from tasks.build import open_engine
 from tasks.hostload import LoadWatch
 from tasks.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read_texts
@@ -187,7 +186,7 @@ def _measure(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult
     threads = config["threads"]
     texts = read_texts(spec.resolve(spec.accuracy.data))
     reference = load_reference(spec)
-    device = reference_device(builds.values())
+    device = reference_device(spec.target(target_name))
     runners: dict[str, Runner] = {}
     champion_info: dict[str, Any] | None = None
     previous_threads = torch.get_num_threads()
@@ -286,18 +285,11 @@ def _vs(comparisons: list[dict[str, Any]], row: dict[str, Any], name: str, basel
     return {}
 
 
-def reference_device(builds: Any) -> str:
-    """Where eager PyTorch runs: on the GPU beside GPU engines when it can, so ratios compare like with like."""
+def reference_device(target: Any) -> str:
+    """Where eager PyTorch runs: on the GPU beside a GPU target's engines when it can, so ratios compare like with like."""
     import torch
 
-    gpu = any(_runs_on_gpu(b.outputs) for b in builds)
-    return "cuda" if gpu and torch.cuda.is_available() else "cpu"
-
-
-def _runs_on_gpu(build: dict[str, Any]) -> bool:
-    """A GPU-only backend's engine, or one built for `device: cuda` by a backend that runs on both."""
-    info = BACKENDS.get(build.get("backend", ""))
-    return info is not None and (info.devices == ("gpu",) or build.get("device") == "cuda")
+    return "cuda" if target.device_kind == "gpu" and torch.cuda.is_available() else "cpu"
 
 
 def prefill_past(spec: PipelineSpec) -> int:

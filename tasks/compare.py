@@ -18,7 +18,6 @@ from tasks.hostload import LoadWatch
 from tasks.inputs import point_feeds, read_texts
 from tasks.measure import Contender, measure_rounds
 from tasks.models import load_reference, load_tokenizer
-from tasks.outcome import Champion
 from tasks.spec import PipelinesFile, PipelineSpec, SpecError
 from tasks.stats import METHOD
 from tasks.store import ArtifactStore
@@ -54,9 +53,7 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
         if found is None:
             raise SpecError([f"compare: {name} has no version {version!r} in the registry at "
                              f"{tracking.tracking_uri()}"])
-        record = Champion(name, found.version, found.run_id, found.tags.get("cache_key") or None,
-                          found.tags.get("precision"))
-        builds[label] = champion_build(spec, record, store)
+        builds[label] = champion_build(spec, tracking.as_champion(name, found), store)
     runners = {label: open_engine(spec, build, threads=threads) for label, build in builds.items()}
     try:
         names = sorted({n for r in runners.values() for n in r.input_names})

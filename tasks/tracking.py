@@ -382,6 +382,11 @@ def champion(spec: PipelineSpec, target_name: str) -> Champion | None:
         if _alias_missing(e):
             return None
         raise
+    return as_champion(name, found)
+
+
+def as_champion(name: str, found: Any) -> Champion:
+    """A registered version (MLflow's, or a RegisteredVersion) as the engine record benchmarks fetch and time."""
     return Champion(registered_model=name, version=str(found.version), run_id=found.run_id,
                     build_key=found.tags.get("cache_key") or None, precision=found.tags.get("precision"))
 
