@@ -45,8 +45,12 @@ def _intact(engine_dir: Path) -> dict | None:
 
 
 def champion_build(spec: PipelineSpec, champion: Champion, store: ArtifactStore) -> StageResult:
-    """The champion's build output: from the store, else downloaded from the registry and verified."""
-    if champion.build_key and (hit := store.lookup(spec.name, "build", champion.build_key)):
+    """The champion's build output: from the store, else downloaded from the registry and verified.
+
+    A damaged store entry is left where it is (the build stage moves it aside and says so in its
+    result); the champion then comes from the registry.
+    """
+    if champion.build_key and (hit := store.check(spec.name, "build", champion.build_key, repair=False)[0]):
         return hit
     final = store.root / CHAMPIONS_DIR / champion.registered_model / champion.version
     manifest = _intact(final) if final.is_dir() else None

@@ -673,10 +673,11 @@ def describe_pipeline_run(parent_run_id: str, outcomes: list[CandidateOutcome]) 
 
 def outcome_record(outcome: CandidateOutcome) -> dict[str, Any]:
     """What a build hands back through MLflow: each stage's key, whether it was reused, and its manifest
-    (the outputs gates, decisions and promotion read), plus how the build ended."""
+    (the outputs gates, decisions and promotion read), why a damaged earlier output was replaced, plus
+    how the build ended."""
     return {"candidate": outcome.candidate.model_dump(), "status": outcome.status, "error": outcome.error,
             "failed_stage": outcome.failed_stage,
-            "stages": {name: {"key": s.key, "cached": s.cached, "manifest": s.manifest}
+            "stages": {name: {"key": s.key, "cached": s.cached, "manifest": s.manifest, "repaired": s.repaired}
                        for name, s in outcome.stages.items()}}
 
 
@@ -707,7 +708,7 @@ def candidate_outcome(run_id: str, store_root: Path) -> CandidateOutcome | None:
         return None
     candidate = Candidate(**record["candidate"])
     stages = {name: StageResult(candidate.pipeline, name, s["key"], store_root / candidate.pipeline / name / s["key"],
-                                s["manifest"], cached=s["cached"])
+                                s["manifest"], cached=s["cached"], repaired=s.get("repaired"))
               for name, s in record["stages"].items()}
     return CandidateOutcome(candidate, record["status"], stages=stages, error=record["error"],
                             failed_stage=record["failed_stage"], run_id=run_id)

@@ -21,3 +21,13 @@ def prefect_server() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _tracking_store_kept() -> Iterator[None]:
+    """A test that changes the session's MLFLOW_TRACKING_URI for good would silently send every later
+    test to another store; fail that test instead."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is not None:
+        assert os.environ.get("MLFLOW_TRACKING_URI") == before, "this test left MLFLOW_TRACKING_URI changed"
