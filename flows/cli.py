@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -73,14 +74,29 @@ def _load(args: argparse.Namespace, *, check_env: bool = True) -> Any:
     """The checked pipelines file; its warnings (other pipelines' problems, unchecked hub models) on stderr."""
     from tasks.spec import SpecError, load
 
-    artifacts = Path(args.artifacts)
-    if artifacts.exists() and not artifacts.is_dir():
-        raise SpecError([f"{args.file}: --artifacts {args.artifacts}: is not a directory"])
+    if not args.file:
+        raise SpecError(["-f/--file: expected the path of a pipelines file, got ''"])
+    problem = _artifacts_problem(args.artifacts)
+    if problem:
+        raise SpecError([f"{args.file}: --artifacts {args.artifacts}: {problem}"])
     specs = load(args.file, pipelines=getattr(args, "pipeline", None) or None, check_env=check_env,
                  allow_outside_paths=args.allow_outside_paths)
     for note in specs.warnings:
         print(f"warning: {note}", file=sys.stderr)
     return specs
+
+
+def _artifacts_problem(artifacts: str) -> str | None:
+    """Why the artifact store cannot live at `artifacts`, checked before any work rather than as a
+    crash at the first write: empty (it would be the working directory), or a file on its path."""
+    if not artifacts:
+        return "expected a directory path (from --artifacts or $SMELTER_ARTIFACTS), got ''"
+    for path in (Path(artifacts), *Path(artifacts).parents):
+        if path.is_dir():
+            return None
+        if path.exists() or path.is_symlink():
+            return "is not a directory" if path == Path(artifacts) else f"{path} is not a directory"
+    return None
 
 
 def _selected(specs: Any, args: argparse.Namespace) -> list[Any]:
@@ -285,7 +301,12 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     specs = _load(args, check_env=not (args.pools or args.prefect_yaml))  # the workers hold the secrets
     plans = deploy.plan(specs, args.file, args.artifacts, fan_out=bool(args.pools or args.prefect_yaml))
     if args.prefect_yaml:
-        Path(args.prefect_yaml).write_text(deploy.prefect_yaml(plans, args.file))
+        try:
+            _write_whole(Path(args.prefect_yaml), deploy.prefect_yaml(plans, args.file))
+        except OSError as e:
+            print(f"error: {args.file}: --prefect-yaml {args.prefect_yaml}: cannot write: {e.strerror or e}",
+                  file=sys.stderr)
+            return EXIT_INVALID
         print(f"{args.prefect_yaml}: {len(plans)} deployments")
         return EXIT_OK
     if not args.pools:
@@ -303,6 +324,18 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     print("next: on each pool's hosts, from this checkout: "
           + "; ".join(f"prefect worker start --pool {pool}" for pool in needed))
     return EXIT_OK
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` at once (temp file + rename): an interrupted write leaves the old file."""
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "notify": cmd_notify, "deploy": cmd_deploy,

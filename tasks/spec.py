@@ -735,10 +735,39 @@ def load(path: str | os.PathLike, *, pipelines: Sequence[str] | None = None, che
         warnings += notes
         if spec is not None and not found:
             parsed[name] = spec
+    shared, shared_notes = _shared_registered_models(report, parsed, pipelines)
+    problems += shared
+    warnings += shared_notes
     if problems:
         raise SpecError(problems)
     return PipelinesFile(path=file, pipelines=parsed, allow_outside_paths=allow_outside_paths, fleet=fleet,
                          warnings=[clip(printable(w), MAX_PROBLEM_CHARS) for w in _bounded(warnings)])
+
+
+def registered_model_name(pipeline: str, target: str) -> str:
+    """The MLflow registered model of one (pipeline, target): its versions, alias and events."""
+    return f"{pipeline}-{target}"
+
+
+def _shared_registered_models(report: _Report, parsed: dict[str, PipelineSpec],
+                              selected: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """(problems, warnings): targets of two pipelines whose registered model names are the same text
+    (`a-b` + `c` and `a` + `b-c`): one model's versions would judge and replace the other's."""
+    owners: dict[str, tuple[str, str]] = {}
+    problems: list[str] = []
+    warnings: list[str] = []
+    for name, spec in parsed.items():
+        for i, target in enumerate(spec.targets):
+            model = registered_model_name(name, target.name)
+            first = owners.setdefault(model, (name, target.name))
+            if first[0] == name:
+                continue
+            found = report.describe(("pipelines", name, "targets", i, "name"),
+                                    f"registers MLflow model {model!r}, which pipeline {first[0]}'s target "
+                                    f"{first[1]} registers too; their versions and alias would mix: rename one")
+            chosen = not selected or name in selected or first[0] in selected
+            (problems if chosen else warnings).append(found)
+    return problems, warnings
 
 
 def _check_fleet(report: _Report, body: Any) -> tuple[FleetSpec, list[str]]:

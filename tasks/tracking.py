@@ -35,7 +35,7 @@ from tasks import engine_check, killpoints, locks
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion
 from tasks.redact import redacted_url
-from tasks.spec import Candidate, PipelineSpec
+from tasks.spec import Candidate, PipelineSpec, registered_model_name
 from tasks.store import MANIFEST, StageResult
 
 REPORT_FILES = {"validate": ("report.json",), "accuracy": ("per_sample.csv", "three_way.json"),
@@ -121,10 +121,6 @@ def close_stale_runs(pipeline: str) -> list[str]:
 
 def experiment_name(pipeline: str) -> str:
     return f"smelter/{pipeline}"
-
-
-def registered_model_name(pipeline: str, target: str) -> str:
-    return f"{pipeline}-{target}"
 
 
 def _experiment_id(client: MlflowClient, pipeline: str) -> str:

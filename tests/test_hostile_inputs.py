@@ -469,6 +469,9 @@ FILE_CASES = {
                               "seq must satisfy min <= opt <= max"),
     "benchmark-outside-profiles": Case(enc("seq_lens: [16]", "seq_lens: [64]"), 11,
                                        "pipelines.enc.benchmark.seq_lens.0", "64 is outside every profile's seq range"),
+    "registered-model-collision": Case(ENC.replace("  enc:", "  enc-a:") + ENC.split("pipelines:\n")[1].replace(
+        "name: cpu", "name: a-cpu"), 19, "pipelines.enc.targets.0.name",
+        "registers MLflow model 'enc-a-cpu', which pipeline enc-a's target cpu registers too"),
     "reserved-alias-latest": Case(ENC + "    promotion: {alias: latest}\n", 13, "pipelines.enc.promotion.alias",
                                   "reserved by the MLflow registry"),
     "reserved-alias-version": Case(ENC + "    promotion: {alias: v3}\n", 13, "pipelines.enc.promotion.alias",
@@ -495,6 +498,19 @@ CLI_CASES = {
                                   argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS", "--target", "sm90")),
     "artifacts-is-a-file": Case(ENC, None, "--artifacts", "is not a directory",
                                 argv=("run", "-f", "FILE", "--artifacts", "FILE")),
+    "artifacts-below-a-file": Case(ENC, None, "--artifacts", "is not a directory",
+                                   argv=("run", "-f", "FILE", "--artifacts", "FILE/sub")),
+    "artifacts-empty": Case(ENC, None, "--artifacts", "expected a directory path",
+                            argv=("run", "-f", "FILE", "--artifacts", "")),
+    "file-empty": Case(None, None, None, "-f/--file: expected the path of a pipelines file", argv=("validate", "-f", "")),
+    "prefect-yaml-in-missing-dir": Case(ENC, None, "--prefect-yaml", "cannot write: No such file or directory",
+                                        argv=("deploy", "-f", "FILE", "--prefect-yaml", "MISSING/prefect.yaml")),
+    "prefect-yaml-is-a-dir": Case(ENC, None, "--prefect-yaml", "cannot write: Is a directory",
+                                  argv=("deploy", "-f", "FILE", "--prefect-yaml", "DIR")),
+    "run-selected-pipeline-collides": Case(
+        ENC.replace("  enc:", "  enc-a:") + ENC.split("pipelines:\n")[1].replace("name: cpu", "name: a-cpu"), 19,
+        "pipelines.enc.targets.0.name", "registers MLflow model 'enc-a-cpu'",
+        argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS", "--pipeline", "enc")),
     "run-missing-file": Case(None, None, None, "cannot read: No such file or directory",
                              argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS")),
     "run-bad-file": Case(enc("warmup: 1", "warmup: 1e23"), 11, "pipelines.enc.benchmark.warmup",
@@ -544,7 +560,8 @@ def arena(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _argv(case: Case, path: Path, arena: Path, name: str) -> list[str]:
     places = {"FILE": str(path), "DIR": str(arena / "pipelines.dir"), "FIFO": str(arena / "pipelines.fifo"),
-              "ARTIFACTS": str(arena / "artifacts" / name)}
+              "ARTIFACTS": str(arena / "artifacts" / name), "FILE/sub": str(path / "sub"),
+              "MISSING/prefect.yaml": str(arena / "no-such-dir" / "prefect.yaml")}
     return [places.get(arg, arg) for arg in case.argv]
 
 
