@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,12 @@ MAX_CONFIG_BYTES = 16 << 20
 # Config keys that bound the positions a model can attend to, as transformers' architectures name them.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
                  "max_seq_len")
+
+# What transformers loads a local model from: single-file weights, sharded checkpoints, tokenizers.
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model")
 
 Located = tuple[tuple[Any, ...], str]
 
@@ -121,7 +128,102 @@ def _local_config(spec: PipelineSpec) -> tuple[dict[str, Any], str | None]:
     assert model_dir is not None
     if not model_dir.is_dir():
         return {}, f"expected a model directory with config.json, {clip(str(model_dir))} is not a directory"
-    return read_config(model_dir / "config.json")
+    config, problem = read_config(model_dir / "config.json")
+    if problem and (model_dir / "modules.json").is_file():
+        problem += ("; this looks like a sentence-transformers folder: point model.path at its transformer "
+                    "module (the folder holding config.json and the weights)")
+    return config, problem or model_files_problem(model_dir)
+
+
+def model_files_problem(model_dir: Path) -> str | None:
+    """Why the weights or the tokenizer of a local model cannot be loaded, or None.
+
+    Read from the file headers only (no weights are loaded), so a zero-byte, truncated or missing file
+    is named in a second instead of as a loader error deep inside the export.
+    """
+    where = clip(str(model_dir))
+    for name in (*WEIGHT_FILES, *WEIGHT_INDEXES, *TOKENIZER_FILES, "tokenizer_config.json"):
+        path = model_dir / name
+        if (path.exists() or path.is_symlink()) and not path.is_file():
+            return f"{clip(str(path))} is not a regular file (a directory, a device, a FIFO or a dangling link)"
+    weights = [model_dir / name for name in WEIGHT_FILES if (model_dir / name).is_file()]
+    for index in WEIGHT_INDEXES:
+        if (model_dir / index).is_file():
+            shards, problem = _index_shards(model_dir / index)
+            if problem:
+                return problem
+            weights += shards
+    if not weights:
+        return (f"{where} has no weights; expected {' or '.join(WEIGHT_FILES)} (or a sharded "
+                f"{' / '.join(WEIGHT_INDEXES)} with its shards)")
+    for path in weights:
+        problem = weights_problem(path)
+        if problem:
+            return problem
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        return (f"{where} has no tokenizer; expected one of {', '.join(TOKENIZER_FILES)} beside config.json "
+                "(the calibration and evaluation text are tokenized with the model's own tokenizer)")
+    return None
+
+
+def _index_shards(index: Path) -> tuple[list[Path], str | None]:
+    """The shard files a sharded checkpoint's index names, or why they cannot all be found."""
+    config, problem = _json_file(index)
+    weight_map = config.get("weight_map") if not problem else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        return [], problem or f"{clip(str(index))} has no weight_map of tensor name: shard file"
+    shards = [index.parent / name for name in sorted(set(weight_map.values()))]
+    for shard in shards:
+        if not shard.is_file() or shard.parent != index.parent:
+            return [], f"{clip(str(index))} names shard {shown(shard.name)}, which is not a file beside it"
+    return shards, None
+
+
+def weights_problem(path: Path) -> str | None:
+    """Why a weights file is damaged (empty, truncated, not the format its name says), or None."""
+    where = clip(str(path))
+    size = path.stat().st_size
+    if size == 0:
+        return f"{where} is empty (0 bytes); copy the model's weights again"
+    if path.suffix == ".safetensors":
+        return _safetensors_problem(path, size)
+    if path.suffix == ".bin" and not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            legacy = f.read(1) == b"\x80"  # a pickle from torch before 1.6, not a zip archive
+        if not legacy:
+            return f"{where} is not a PyTorch checkpoint (truncated or damaged: no zip directory at its end)"
+    return None
+
+
+def _safetensors_problem(path: Path, size: int) -> str | None:
+    where = clip(str(path))
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header_size = int.from_bytes(head, "little") if len(head) == 8 else None
+        if header_size is None or header_size > min(size - 8, MAX_CONFIG_BYTES):
+            return f"{where} is not a safetensors file (truncated at {size} bytes, or another format)"
+        raw = f.read(header_size)
+    try:
+        header = json.loads(raw)
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return f"{where} has a damaged safetensors header"
+    expected = 8 + header_size + end
+    if expected != size:
+        return (f"{where} is {'truncated' if size < expected else 'damaged'}: its header describes {expected} "
+                f"bytes, the file has {size}; copy the model's weights again")
+    return None
+
+
+def _json_file(path: Path) -> tuple[dict[str, Any], str | None]:
+    where = clip(str(path))
+    try:
+        data = json.loads(read_bounded(path, MAX_CONFIG_BYTES)[:MAX_CONFIG_BYTES].decode("utf-8"))
+    except OSError as e:
+        return {}, f"cannot read {where}: {e.strerror}"
+    except ValueError:
+        return {}, f"{where} is not valid JSON"
+    return (data, None) if isinstance(data, dict) else ({}, f"{where} is not a JSON object")
 
 
 def read_config(path: Path) -> tuple[dict[str, Any], str | None]:

@@ -6,8 +6,9 @@ a short answer, and no artifacts. The cases are grouped by the class of mistake 
 the few that could hang or exhaust memory if the bounds regressed (alias bombs, big files, deep
 nesting, `smelter deploy`) run in a child process with a timeout.
 
-The model directories are config.json files only (the checks read configs, never weights), made
-once per session, so the whole module runs in seconds.
+The model directories hold a config.json, a tiny safetensors file and a stub tokenizer (the checks
+read configs and weight headers, never weights), made once per session, so the whole module runs in
+seconds.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ MODEL_CONFIGS = {
     "florp": {"model_type": "florp-not-a-model", "max_position_embeddings": 512},
     "no-type": {"architectures": ["BertModel"]},
 }
+
+
+def _safetensors(data_bytes: int) -> bytes:
+    """A safetensors file holding one uint8 tensor of `data_bytes` bytes."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [data_bytes], "data_offsets": [0, data_bytes]}}).encode()
+    return len(header).to_bytes(8, "little") + header + bytes(data_bytes)
 
 
 def edit(base: str, old: str, new: str) -> str:
@@ -373,6 +380,27 @@ FILE_CASES = {
                                 "is not UTF-8 text"),
     "model-config-list": Case(enc("path: models/bert", "path: models/list-json"), 3, "pipelines.enc.model.path",
                               "has no model_type"),
+    "model-no-weights": Case(enc("path: models/bert", "path: models/no-weights"), 3, "pipelines.enc.model.path",
+                             "has no weights; expected model.safetensors or pytorch_model.bin"),
+    "model-zero-byte-weights": Case(enc("path: models/bert", "path: models/zero-weights"), 3,
+                                    "pipelines.enc.model.path", "model.safetensors is empty (0 bytes)"),
+    "model-truncated-safetensors": Case(enc("path: models/bert", "path: models/truncated-weights"), 3,
+                                        "pipelines.enc.model.path",
+                                        f"model.safetensors is truncated: its header describes {len(_safetensors(100))} bytes, the file has 120"),
+    "model-safetensors-header-cut": Case(enc("path: models/bert", "path: models/header-cut"), 3,
+                                         "pipelines.enc.model.path", "is not a safetensors file (truncated at 30 bytes"),
+    "model-truncated-bin": Case(enc("path: models/bert", "path: models/truncated-bin"), 3, "pipelines.enc.model.path",
+                                "pytorch_model.bin is not a PyTorch checkpoint (truncated or damaged"),
+    "model-weights-fifo": Case(enc("path: models/bert", "path: models/weights-fifo"), 3, "pipelines.enc.model.path",
+                               "model.safetensors is not a regular file"),
+    "model-shard-missing": Case(enc("path: models/bert", "path: models/shard-missing"), 3, "pipelines.enc.model.path",
+                                "names shard 'model-00002-of-00002.safetensors', which is not a file beside it"),
+    "model-no-tokenizer": Case(enc("path: models/bert", "path: models/no-tokenizer"), 3, "pipelines.enc.model.path",
+                               "has no tokenizer; expected one of tokenizer.json"),
+    "model-sentence-transformers-root": Case(enc("path: models/bert", "path: models/st-layout"), 3,
+                                             "pipelines.enc.model.path",
+                                             "looks like a sentence-transformers folder: point model.path at its "
+                                             "transformer module"),
     "task-not-exported": Case(dec("path: models/llama", "path: models/distilbert"), 3, "pipelines.dec.model.task",
                               "cannot export 'distilbert' models for text-generation-with-past; it supports"),
     "model-type-unknown": Case(enc("path: models/bert", "path: models/florp"), 3, "pipelines.enc.model.task",
@@ -533,8 +561,23 @@ def arena(tmp_path_factory: pytest.TempPathFactory) -> Path:
     outside = tmp_path_factory.mktemp("outside") / "secret.txt"
     outside.write_text("\n".join(f"outside line {i}" for i in range(20)) + "\n")
     for name, config in MODEL_CONFIGS.items():
-        (root / "models" / name).mkdir(parents=True)
-        (root / "models" / name / "config.json").write_text(json.dumps(config))
+        _model_dir(root / "models" / name, config)
+    bert = MODEL_CONFIGS["bert"]
+    _model_dir(root / "models" / "no-weights", bert, weights={})
+    _model_dir(root / "models" / "no-tokenizer", bert, tokenizer=False)
+    _model_dir(root / "models" / "zero-weights", bert, weights={"model.safetensors": b""})
+    _model_dir(root / "models" / "truncated-weights", bert, weights={"model.safetensors": _safetensors(100)[:120]})
+    _model_dir(root / "models" / "header-cut", bert, weights={"model.safetensors": _safetensors(100)[:30]})
+    _model_dir(root / "models" / "truncated-bin", bert, weights={"pytorch_model.bin": b"PK\x03\x04" + bytes(60)})
+    _model_dir(root / "models" / "weights-fifo", bert, weights={})
+    os.mkfifo(root / "models" / "weights-fifo" / "model.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    _model_dir(root / "models" / "shard-missing", bert, weights={
+        "model.safetensors.index.json": json.dumps(index).encode(), "model-00001-of-00002.safetensors": _safetensors(4)})
+    (root / "models" / "st-layout").mkdir()
+    (root / "models" / "st-layout" / "modules.json").write_text(
+        json.dumps([{"idx": 0, "name": "0", "path": "0_Transformer", "type": "sentence_transformers.models.Transformer"}]))
+    _model_dir(root / "models" / "st-layout" / "0_Transformer", bert)
     for name, raw in {"not-json": b"{model_type: bert", "latin1": b'{"model_type": "b\xe9rt"}',
                       "list-json": b"[1, 2]"}.items():
         (root / "models" / name).mkdir()
@@ -556,6 +599,17 @@ def arena(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "pipelines.dir").mkdir()
     (root / "OUTSIDE").write_text(str(outside))
     return root
+
+
+def _model_dir(path: Path, config: dict, weights: dict[str, bytes] | None = None, tokenizer: bool = True) -> None:
+    """A model folder the checks accept apart from what the arguments break: the checks read the config and
+    the weights' headers, never the weights, so a tiny safetensors file and a stub tokenizer do."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    for name, raw in ({"model.safetensors": _safetensors(4)} if weights is None else weights).items():
+        (path / name).write_bytes(raw)
+    if tokenizer:
+        (path / "tokenizer.json").write_text("{}")
 
 
 def _argv(case: Case, path: Path, arena: Path, name: str) -> list[str]:
