@@ -1,7 +1,8 @@
 """`smelter`: run, plan, validate, notify and deploy from the command line.
 
 Exit codes: 0 every stage ran (a candidate a gate rejected is a result, not an error);
-1 a stage failed; 2 an invalid pipelines.yaml or bad usage.
+1 a stage failed; 2 an invalid pipelines.yaml, bad usage or an unusable store or server;
+130 / 143 stopped by Ctrl-C / SIGTERM.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import errno
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # what a shell reports for them
 DEFAULT_FILE = "pipelines.yaml"
 
 
@@ -99,6 +103,24 @@ def _artifacts_problem(artifacts: str) -> str | None:
     return None
 
 
+def _check_services(*, mlflow: bool = False, prefect: bool = False) -> None:
+    """The servers a command will talk to answer, and the tracking store is one MLflow can open: a dead
+    server or a mistyped URI is exit 2 in a second, not a traceback after minutes of retries."""
+    from tasks.spec import SpecError
+
+    problems = []
+    if prefect:
+        from flows.prefect_server import api_problem
+
+        problems.append(api_problem())
+    if mlflow:
+        from tasks.tracking import store_problem
+
+        problems.append(store_problem())
+    if any(problems):
+        raise SpecError([p for p in problems if p])
+
+
 def _selected(specs: Any, args: argparse.Namespace) -> list[Any]:
     return [spec for name, spec in specs.pipelines.items() if not args.pipeline or name in args.pipeline]
 
@@ -163,6 +185,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     specs = _load(args)
     selected = select(specs, args.pipeline, args.precision, args.target)
+    _check_services(mlflow=True, prefect=True)
     from flows import progress
     from flows.nightly import nightly_flow
 
@@ -253,6 +276,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from tasks.spec import MAX_BATCH, MAX_SEQ
 
     owner = find_registered_model(_load(args, check_env=False), args.registered_model)
+    _check_services(mlflow=True)
     for flag, bound in (("batch", MAX_BATCH), ("seq", MAX_SEQ)):
         value = getattr(args, flag)
         if value is not None and not 1 <= value <= bound:
@@ -276,7 +300,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_notify(args: argparse.Namespace) -> int:
     from tasks.notify import retry_pending
 
-    results = retry_pending(_selected(_load(args), args))
+    selected = _selected(_load(args), args)
+    _check_services(mlflow=True, prefect=True)
+    results = retry_pending(selected)
     for r in results:
         print(json.dumps(r, default=str))
     return EXIT_FAILED if any(r.get("status") in ("pending", "failed") for r in results) else EXIT_OK
@@ -287,6 +313,7 @@ def cmd_webhooks(args: argparse.Namespace) -> int:
     from tasks.tracking import tracking_server
 
     specs = _load(args)
+    _check_services(mlflow=True)
     if tracking_server() is None:
         print("warning: MLFLOW_TRACKING_URI is not an `mlflow server`; registry webhooks fire only from a server",
               file=sys.stderr)
@@ -300,6 +327,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
     specs = _load(args, check_env=not (args.pools or args.prefect_yaml))  # the workers hold the secrets
     plans = deploy.plan(specs, args.file, args.artifacts, fan_out=bool(args.pools or args.prefect_yaml))
+    if not args.prefect_yaml:
+        _check_services(prefect=True)
     if args.prefect_yaml:
         try:
             _write_whole(Path(args.prefect_yaml), deploy.prefect_yaml(plans, args.file))
@@ -353,12 +382,37 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # Prefect's temporary server gets 20 s to start by default; a busy 2-core machine needs longer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         return COMMANDS[args.command](args)
     except SpecError as e:
         for problem in e.problems:
             print(f"error: {problem}", file=sys.stderr)
         return EXIT_INVALID
+    except KeyboardInterrupt:
+        return _stopped("interrupted (Ctrl-C)", EXIT_INTERRUPTED)
+    except Terminated:
+        return _stopped("terminated (SIGTERM)", EXIT_TERMINATED)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM as an exception, so a stopped run unwinds like Ctrl-C: the stage being written drops its
+    temp dir, MLflow runs end KILLED, the temporary Prefect server stops. (Inside a flow Prefect turns
+    SIGTERM into its own TerminationSignal first, then sends it again to this handler.)"""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _stopped(how: str, code: int) -> int:
+    print(f"smelter: {how}; the unfinished stage was dropped and its MLflow runs marked KILLED. Finished "
+          "stages are kept: run again to go on.", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import httpx
 
 PR_SET_PDEATHSIG = 1
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+HEALTH_TIMEOUT_S = 5.0
 
 
 def _die_with_parent() -> None:
@@ -71,6 +72,25 @@ def _stop(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def api_problem() -> str | None:
+    """Why the Prefect API that PREFECT_API_URL names does not answer, or None (also when none is set:
+    then `owned_server` starts one). Asked before any work: Prefect's client would retry for a while,
+    then fail with a traceback from deep inside the flow engine."""
+    from prefect.settings import PREFECT_API_URL
+
+    from tasks.redact import redacted_url
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return None
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        return (f"PREFECT_API_URL {redacted_url(url)}: the Prefect server does not answer ({type(e).__name__}); "
+                "start it (`prefect server start`), or unset the variable and smelter starts its own")
+    return None
 
 
 @contextlib.contextmanager

@@ -52,7 +52,7 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
         found = tracking.find_version(name, version)
         if found is None:
             raise SpecError([f"compare: {name} has no version {version!r} in the registry at "
-                             f"{tracking.tracking_uri()}"])
+                             f"{tracking.shown_uri(tracking.tracking_uri())}"])
         builds[label] = champion_build(spec, tracking.as_champion(name, found), store)
     runners = {label: open_engine(spec, build, threads=threads) for label, build in builds.items()}
     try:

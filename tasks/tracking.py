@@ -37,10 +37,12 @@ from tasks.outcome import CandidateOutcome, Champion
 from tasks.redact import redacted_url
 from tasks.spec import Candidate, PipelineSpec, registered_model_name
 from tasks.store import MANIFEST, StageResult
+from tasks.yaml_source import clip
 
 REPORT_FILES = {"validate": ("report.json",), "accuracy": ("per_sample.csv", "three_way.json"),
                 "benchmark": ("samples.csv",)}
 MAX_PARAM_CHARS = 6000
+HEALTH_TIMEOUT_S = 5.0
 MAX_TAG_CHARS = 8000
 HEADLINE_PREFIX = "_"  # sorts before every other metric name in MLflow's run table and compare view
 DESCRIPTION_TAG = "mlflow.note.content"  # what the MLflow UI shows as a run's description
@@ -174,8 +176,16 @@ def pipeline_run(spec: PipelineSpec, run_name: str, params: dict[str, Any]) -> I
         yield run_id
         status = "FINISHED"
         killpoints.reach("run.finishing")
+    except BaseException as e:
+        status = _ended_by(e)
+        raise
     finally:
         client.set_terminated(run_id, status)
+
+
+def _ended_by(error: BaseException) -> str:
+    """The status of a run a body left by raising: KILLED when the user stopped it (Ctrl-C, SIGTERM)."""
+    return "FAILED" if isinstance(error, Exception) else "KILLED"
 
 
 def _arch(spec: PipelineSpec, outcome: CandidateOutcome) -> str:
@@ -251,6 +261,9 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
         mlflow.log_dict(outcome_record(outcome), OUTCOME_RECORD)
         killpoints.reach("candidate.logged")
         status = "FAILED" if outcome.status == "failed" else "FINISHED"
+    except BaseException as e:
+        status = _ended_by(e)
+        raise
     finally:
         mlflow.end_run(status)
     return run.info.run_id
@@ -553,6 +566,42 @@ def find_version(name: str, version: str) -> RegisteredVersion | None:
 
 def tracking_uri() -> str:
     return mlflow.get_tracking_uri()
+
+
+def shown_uri(uri: str) -> str:
+    """A store URI as messages show it: redacted when it may hold a password (a server, user:pass@)."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return redacted_url(uri)
+    return redacted_url(uri) if parts.scheme in ("http", "https") or "@" in parts.netloc else clip(uri)
+
+
+def store_problem() -> str | None:
+    """Why the tracking store MLFLOW_TRACKING_URI names cannot be used, or None; asked before any work,
+    since MLflow itself only fails at the first write (a dead server after minutes of retries)."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    uri = mlflow.get_tracking_uri()
+    scheme, shown = urlsplit(uri).scheme, shown_uri(uri)
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception:  # noqa: BLE001 - an unknown or malformed scheme, whichever way MLflow says it
+        known = ", ".join(s for s in _tracking_store_registry._registry if s)
+        return f"MLFLOW_TRACKING_URI {shown}: not a store MLflow can use; expected a path or one of {known}"
+    if uri.startswith("sqlite:///"):
+        database = Path(uri.removeprefix("sqlite:///").split("?")[0])
+        if not database.parent.is_dir():
+            return f"MLFLOW_TRACKING_URI {shown}: the directory of the database, {clip(str(database.parent))}, does not exist"
+    if scheme in ("http", "https"):
+        import httpx
+
+        try:
+            httpx.get(f"{uri.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            return (f"MLFLOW_TRACKING_URI {shown}: the MLflow server does not answer ({type(e).__name__}); "
+                    "start it, or point the variable at one")
+    return None
 
 
 def run_metrics(run_id: str) -> dict[str, float]:

@@ -105,6 +105,7 @@ class Case:
     argv: tuple[str, ...] = ("validate", "-f", "FILE")
     absent: str = TOKEN  # never printed
     usage: bool = False  # refused by the argument parser, which names no file
+    env: tuple[tuple[str, str], ...] = ()  # set for this case (a server or store the command needs)
 
 
 FILE_CASES = {
@@ -539,6 +540,18 @@ CLI_CASES = {
         ENC.replace("  enc:", "  enc-a:") + ENC.split("pipelines:\n")[1].replace("name: cpu", "name: a-cpu"), 19,
         "pipelines.enc.targets.0.name", "registers MLflow model 'enc-a-cpu'",
         argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS", "--pipeline", "enc")),
+    "mlflow-uri-unknown-scheme": Case(ENC, None, "MLFLOW_TRACKING_URI", "not a store MLflow can use; expected a path or one of",
+                                      argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS"),
+                                      env=(("MLFLOW_TRACKING_URI", "foo://bar"),)),
+    "mlflow-sqlite-dir-missing": Case(ENC, None, "MLFLOW_TRACKING_URI", "the directory of the database",
+                                      argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS"),
+                                      env=(("MLFLOW_TRACKING_URI", "sqlite:////no/such/dir/mlflow.db"),)),
+    "mlflow-server-dead": Case(ENC, None, "MLFLOW_TRACKING_URI", "the MLflow server does not answer (ConnectError)",
+                               argv=("notify", "--retry", "-f", "FILE", "--artifacts", "ARTIFACTS"),
+                               env=(("MLFLOW_TRACKING_URI", f"http://user:{TOKEN}@127.0.0.1:9"),)),
+    "mlflow-uri-password-hidden": Case(ENC, None, "MLFLOW_TRACKING_URI", "postgresqlx://db/…#",
+                                       argv=("compare", "-f", "FILE", "--artifacts", "ARTIFACTS", "enc-cpu", "1", "2"),
+                                       env=(("MLFLOW_TRACKING_URI", f"postgresqlx://bob:{TOKEN}@db/x"),)),
     "run-missing-file": Case(None, None, None, "cannot read: No such file or directory",
                              argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS")),
     "run-bad-file": Case(enc("warmup: 1", "warmup: 1e23"), 11, "pipelines.enc.benchmark.warmup",
@@ -630,6 +643,8 @@ def _assert_refused(case: Case, path: Path, code: int, output: str) -> None:
     assert code == 2, output
     if case.line is not None:
         assert f"{path}:{case.line}: {case.key}" in output, output
+    elif case.env and case.key is not None:  # the environment, not the file, is at fault
+        assert f"error: {case.key} " in output, output
     elif case.key is not None:
         assert f"{path}: {case.key}" in output, output
     elif case.argv[1:3] == ("-f", "FILE") and not case.usage:
@@ -655,6 +670,8 @@ def test_refused_before_any_work(name: str, arena: Path, monkeypatch: pytest.Mon
     case = FILE_CASES.get(name) or CLI_CASES[name]
     monkeypatch.delenv("SMELTER_HOSTILE_SECRET", raising=False)
     monkeypatch.setenv("HOME", str(arena.parent))
+    for variable, value in case.env:
+        monkeypatch.setenv(variable, value)
     path = arena / f"{name}.yaml"
     _write(case, path, arena)
     code = main(_argv(case, path, arena, name))
@@ -688,6 +705,10 @@ CHILD_CASES = {
     "very-deep-nesting": Case("a: " + "[" * 100_000 + "]" * 100_000 + "\n", 1, "a", "nest"),
     "file-too-large": Case(ENC + "# " + "x" * (300 << 10) + "\n", None, None, "is larger than 262144 bytes"),
     "too-many-values": Case("a: [" + ", ".join(["1"] * 30_000) + "]\n", 1, "a.", "more than 20000 values in the file"),
+    # Prefect reads its settings once per process: set before the child starts
+    "prefect-server-dead": Case(ENC, None, "PREFECT_API_URL", "the Prefect server does not answer (ConnectError)",
+                                argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS"),
+                                env=(("PREFECT_API_URL", f"http://127.0.0.1:9/api/{TOKEN}"),)),
     "deploy-bad-cron": Case(ENC + "    schedule: {cron: '99 99 foo bar baz', timezone: Mars/Olympus_Mons}\n", 13,
                             "pipelines.enc.schedule.cron", "not a cron expression Prefect accepts",
                             argv=("deploy", "-f", "FILE", "--artifacts", "ARTIFACTS")),
@@ -700,7 +721,7 @@ def test_refused_in_bounded_time_and_memory(name: str, arena: Path) -> None:
     case = CHILD_CASES[name]
     path = arena / f"{name}.yaml"
     _write(case, path, arena)
-    env = os.environ | {"PYTHONPATH": str(REPO), "SMELTER_HOSTILE_SECRET": ""}
+    env = os.environ | {"PYTHONPATH": str(REPO), "SMELTER_HOSTILE_SECRET": ""} | dict(case.env)
     child = subprocess.run([sys.executable, "-c", CHILD, *_argv(case, path, arena, name)], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     output = child.stdout + child.stderr
