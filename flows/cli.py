@@ -391,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {problem}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
-        return _stopped("interrupted (Ctrl-C)", EXIT_INTERRUPTED)
+        return _stopped("interrupted (Ctrl-C)", EXIT_INTERRUPTED, args.command)
     except Terminated:
-        return _stopped("terminated (SIGTERM)", EXIT_TERMINATED)
+        return _stopped("terminated (SIGTERM)", EXIT_TERMINATED, args.command)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -409,9 +409,10 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
-def _stopped(how: str, code: int) -> int:
-    print(f"smelter: {how}; the unfinished stage was dropped and its MLflow runs marked KILLED. Finished "
-          "stages are kept: run again to go on.", file=sys.stderr)
+def _stopped(how: str, code: int, command: str) -> int:
+    after = ("; the unfinished stage was dropped and its MLflow runs marked KILLED. Finished stages are kept: "
+             "run again to go on.") if command == "run" else ""
+    print(f"smelter: {how}{after}", file=sys.stderr)
     return code
 
 
