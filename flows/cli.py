@@ -181,7 +181,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tasks.spec import select
+    from tasks.spec import SpecError, select
 
     specs = _load(args)
     selected = select(specs, args.pipeline, args.precision, args.target)
@@ -194,6 +194,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     pipelines = args.pipeline or sorted({c.pipeline for c in selected}, key=list(specs.pipelines).index)
     progress.set_level(progress.QUIET if args.quiet else progress.VERBOSE if args.verbose else progress.NORMAL)
     log_path = Path(args.artifacts) / "_logs" / f"run-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.log"
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecError([f"{args.file}: --artifacts {args.artifacts}: cannot keep the run's log in "
+                         f"{log_path.parent}: {e.strerror}"]) from e
     progress.message(f"smelter: {len(selected)} candidates in {len(pipelines)} pipelines"
                      + ("" if args.verbose else f"; library output in {log_path}"))
     # stdout is the summary's: libraries' prints go to stderr (--verbose) or the log file

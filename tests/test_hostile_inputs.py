@@ -529,6 +529,8 @@ CLI_CASES = {
                                 argv=("run", "-f", "FILE", "--artifacts", "FILE")),
     "artifacts-below-a-file": Case(ENC, None, "--artifacts", "is not a directory",
                                    argv=("run", "-f", "FILE", "--artifacts", "FILE/sub")),
+    "artifacts-logs-is-a-file": Case(ENC, None, "--artifacts", "cannot keep the run's log in",
+                                     argv=("run", "-f", "FILE", "--artifacts", "LOGS_IS_A_FILE")),
     "artifacts-empty": Case(ENC, None, "--artifacts", "expected a directory path",
                             argv=("run", "-f", "FILE", "--artifacts", "")),
     "file-empty": Case(None, None, None, "-f/--file: expected the path of a pipelines file", argv=("validate", "-f", "")),
@@ -610,6 +612,8 @@ def arena(tmp_path_factory: pytest.TempPathFactory) -> Path:
     os.mkfifo(data / "fifo")
     os.mkfifo(root / "pipelines.fifo")
     (root / "pipelines.dir").mkdir()
+    (root / "logs-is-a-file").mkdir()
+    (root / "logs-is-a-file" / "_logs").write_text("a file where the run logs go\n")
     (root / "OUTSIDE").write_text(str(outside))
     return root
 
@@ -628,7 +632,8 @@ def _model_dir(path: Path, config: dict, weights: dict[str, bytes] | None = None
 def _argv(case: Case, path: Path, arena: Path, name: str) -> list[str]:
     places = {"FILE": str(path), "DIR": str(arena / "pipelines.dir"), "FIFO": str(arena / "pipelines.fifo"),
               "ARTIFACTS": str(arena / "artifacts" / name), "FILE/sub": str(path / "sub"),
-              "MISSING/prefect.yaml": str(arena / "no-such-dir" / "prefect.yaml")}
+              "MISSING/prefect.yaml": str(arena / "no-such-dir" / "prefect.yaml"),
+              "LOGS_IS_A_FILE": str(arena / "logs-is-a-file")}
     return [places.get(arg, arg) for arg in case.argv]
 
 
