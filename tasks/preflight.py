@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 MAX_DATA_BYTES = 256 << 20
 MAX_CONFIG_BYTES = 16 << 20
+# A sample far longer than any sequence: a file with no line breaks, say. Tokenizing 10 MB of one line
+# for each row of a batch took minutes and gigabytes; 100000 characters is ~25000 tokens or more.
+MAX_SAMPLE_CHARS = 100_000
 # Config keys that bound the positions a model can attend to, as transformers' architectures name them.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
                  "max_seq_len")
@@ -96,7 +99,12 @@ def text_file_problem(path: Path, samples: int, wanted_by: str) -> str | None:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         return f"{where} is not UTF-8 text: byte 0x{data[e.start]:02x} on line {line}"
-    lines = sum(1 for line in text.splitlines() if line.strip())
+    rows = text.splitlines()
+    longest = max(range(len(rows)), key=lambda i: len(rows[i]), default=None)
+    if longest is not None and len(rows[longest]) > MAX_SAMPLE_CHARS:
+        return (f"{where} line {longest + 1} has {len(rows[longest])} characters; expected one sample per line, "
+                f"each at most {MAX_SAMPLE_CHARS} (every sample is tokenized whole before it is cut to length)")
+    lines = sum(1 for line in rows if line.strip())
     if lines == 0:
         return f"{where} has no text (empty, or blank lines only); expected one sample per line"
     if lines < samples:

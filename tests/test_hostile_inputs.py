@@ -360,6 +360,10 @@ FILE_CASES = {
                          "No such file or directory"),
     "data-too-few-lines": Case(enc("samples: 8", "samples: 30"), 10, "pipelines.enc.accuracy.data",
                                "has only 20 non-empty lines; accuracy.samples asks for 30"),
+    "data-one-huge-line": Case(enc("data: data/eval.txt", "data: data/one-line.txt"), 10, "pipelines.enc.accuracy.data",
+                               "one-line.txt line 3 has 2000000 characters; expected one sample per line, each at most 100000"),
+    "calibration-one-huge-line": Case(enc("data: data/calibration.txt", "data: data/one-line.txt"), 9,
+                                      "pipelines.enc.calibration.data", "line 3 has 2000000 characters"),
     "calibration-too-few-lines": Case(enc("data: data/calibration.txt", "data: data/short.txt"), 9,
                                       "pipelines.enc.calibration.data", "calibration.samples asks for 16"),
     "package-missing": Case(enc("data: data/eval.txt", "data: package://no_such_package_here/eval.txt"), 10,
@@ -606,6 +610,7 @@ def arena(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (data / "blank.txt").write_text("\n   \n\t\n")
     (data / "latin1.txt").write_bytes(b"plain\ncaf\xe9\n")
     (data / "short.txt").write_text("one\ntwo\n")
+    (data / "one-line.txt").write_text("a\n\n" + "word " * 400_000 + "\n" + "\n".join(["line"] * 40) + "\n")
     (data / "binary.bin").write_bytes(bytes(range(256)) * 8)
     (data / "escape.txt").symlink_to(outside)
     (data / "loop.txt").symlink_to(data / "loop.txt")
