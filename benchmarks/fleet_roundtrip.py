@@ -39,7 +39,7 @@ PIPELINE = {
                 {"name": "edge", "backend": "onnxruntime", "threads": 1, "pool": "gpu-test"}],
     "calibration": {"data": "data/calibration.txt", "samples": 16, "seq_len": 32},
     "accuracy": {"data": "data/eval.txt", "samples": 8, "seq_len": 16, "gates": {"top1_agreement": {"min": 0.5}}},
-    "benchmark": {"batch_sizes": [1, 4], "seq_lens": [16], "warmup": 1, "min_rounds": 3, "max_seconds": 2,
+    "benchmark": {"batch_sizes": [1, 4], "seq_lens": [16], "warmup": 1, "min_rounds": 3, "max_seconds": 2, "survey_seconds": 2,
                   "threads": 1},
     "performance": {"gates": {"p99_ms": {"max": 60000}}},
     "schedule": {"cron": "0 3 * * *", "timezone": "UTC"},

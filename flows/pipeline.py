@@ -185,7 +185,7 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
     spec = load(file, pipelines=[pipeline], allow_outside_paths=allow_outside_paths).pipelines[pipeline]
     candidates = spec.candidates(precisions, targets)
     store = ArtifactStore(artifacts)
-    store.clean_temp(pipeline)
+    store.clean(pipeline)
     memo = _Memo()
     where = fleet.placement_tags()
     outcomes, gpus = [], {}

@@ -42,8 +42,16 @@ def _run_logger() -> logging.Logger | logging.LoggerAdapter | None:
 
 
 def _deployed() -> bool:
-    """A run a worker or `serve` started: its terminal is the worker's, the run logger is the place."""
-    from prefect.runtime import deployment
+    """A run a worker or `serve` started: its terminal is the worker's, the run logger is the place.
+
+    Read from the run context: `prefect.runtime.deployment.id` asks the API for the flow run on every
+    call (a new client each time), and this is asked for every progress line."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is not None and context.flow_run is not None:
+        return context.flow_run.deployment_id is not None
+    from prefect.runtime import deployment  # a task without its flow's context: ask the API
 
     return deployment.id is not None
 

@@ -228,6 +228,14 @@ def _points(spec: PipelineSpec) -> list[dict[str, int]]:
     return points
 
 
+def point_budget(spec: PipelineSpec, point: dict[str, int]) -> float:
+    """Seconds one point may take: the gate point, which gates and decisions read, gets `max_seconds`
+    to reach ±precision; every other point describes the engine and gets `survey_seconds`."""
+    at = spec.gate_point
+    gate = not point["decode"] and (point["batch"], point["seq"]) == (at["batch"], at["seq"])
+    return spec.benchmark.max_seconds if gate else spec.benchmark.survey_seconds
+
+
 def _engine_outputs(spec: PipelineSpec, name: str, measured: list[tuple[dict[str, int], Rounds]]) -> dict[str, Any]:
     """One candidate's rows: prefill points, decode steps, and the gate point the gates read."""
     points, decode = [], []
@@ -326,7 +334,7 @@ class _Bench:
         pairs += [(extra, name) for extra in self.runners if extra not in self.candidates for name in self.candidates]
         settings = self.spec.benchmark
         return measure_rounds(contenders, pairs, warmup=settings.warmup, min_rounds=settings.min_rounds,
-                              max_seconds=settings.max_seconds, precision=settings.precision)
+                              max_seconds=point_budget(self.spec, point), precision=settings.precision)
 
 
 def engine_timer(runner: Runner, feeds: dict[str, np.ndarray]) -> Callable[[int], list[float]]:

@@ -175,8 +175,11 @@ class BenchmarkSpec(_Strict):
     warmup: int = Field(5, ge=0, le=MAX_WARMUP, description="untimed calls of each engine before the rounds")
     min_rounds: int = Field(10, ge=3, le=MAX_ROUNDS,
                             description="interleaved rounds before a conclusive interval may stop the rounds")
-    max_seconds: float = Field(30.0, gt=0, le=MAX_BENCHMARK_SECONDS,
-                               description="time budget per shape point, even before min_rounds; past it, inconclusive")
+    max_seconds: float = Field(40.0, gt=0, le=MAX_BENCHMARK_SECONDS,
+                               description="time budget of the gate point (the one gates and decisions read), even "
+                                           "before min_rounds; past it, inconclusive")
+    survey_seconds: float = Field(8.0, gt=0, le=MAX_BENCHMARK_SECONDS,
+                                  description="time budget of every other shape point (reported, never decides)")
     precision: float = Field(0.05, gt=0, le=1, description="stop when every ratio's 95% interval is within ±this")
     threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="intra-op threads; None = all cores")
 

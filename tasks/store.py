@@ -36,6 +36,8 @@ LOCKS_DIR = "_locks"
 TOOL_CACHES = "_cache"
 HASH_CACHE = Path(TOOL_CACHES) / "sha256.json"
 FOREIGN_TEMP_S = 24 * 3600
+CORRUPT_KEEP_S = 7 * 24 * 3600  # moved-aside damaged outputs are kept this long for inspection
+_ASIDE_TIME = "%Y%m%dT%H%M%S.%fZ"
 
 log = logging.getLogger("smelter.store")
 
@@ -69,12 +71,36 @@ def stage_key(stage: str, **parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:KEY_LENGTH]
 
 
+def _stamp(stat: os.stat_result) -> list[int]:
+    """What changes whenever a file's bytes do: size, mtime, ctime (a writer cannot set it back), inode."""
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+
+
+_known: dict[str, tuple[list[int], str]] = {}  # path -> (stamp, sha256) hashed or verified in this process
+_known_lock = threading.Lock()
+
+
+def _note_digest(path: Path, stamp: list[int], sha256: str) -> None:
+    with _known_lock:
+        _known[os.path.abspath(path)] = (stamp, sha256)
+
+
 def file_digest(path: Path) -> str:
+    """sha256 of the file's bytes; a file unchanged (same stamp) since this process last hashed or verified
+    it is not read again, so checking one engine at several steps of a run costs one read."""
+    stamp = _stamp(path.stat())
+    with _known_lock:
+        known = _known.get(os.path.abspath(path))
+    if known is not None and known[0] == stamp:
+        return known[1]
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    return digest.hexdigest()
+    sha256 = digest.hexdigest()
+    if _stamp(path.stat()) == stamp:  # unchanged while it was read
+        _note_digest(path, stamp, sha256)
+    return sha256
 
 
 def tree_digest(root: Path) -> str:
@@ -153,7 +179,7 @@ class ArtifactStore:
             result, problem = self._verify(pipeline, stage, key, final)
             if problem is None:
                 return result, None
-            aside = final.parent / CORRUPT_DIR / f"{key}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S.%fZ}"
+            aside = final.parent / CORRUPT_DIR / f"{key}-{datetime.now(timezone.utc).strftime(_ASIDE_TIME)}"
             aside.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.replace(final, aside)
@@ -222,19 +248,35 @@ class ArtifactStore:
         self.hashes.save()
         writer.result = StageResult(pipeline, stage, key, final, writer.manifest, cached=False)
 
-    def clean_temp(self, pipeline: str) -> list[Path]:
-        """Remove one pipeline's temp dirs whose writer is gone; the ones removed.
+    def clean(self, pipeline: str) -> list[Path]:
+        """Remove what one pipeline's dead writers and old repairs left behind; the paths removed.
 
         A temp dir's name says which process on which boot of which host made it: one of this host's
         dead processes is removed at once, a live one never; one from another host (or of an older
-        naming) only after FOREIGN_TEMP_S, since its process cannot be asked.
+        naming) only after FOREIGN_TEMP_S, since its process cannot be asked. A damaged output moved
+        aside goes after CORRUPT_KEEP_S (its name holds the UTC time it was moved), so repairs
+        cannot fill the disk.
         """
         removed = []
         for tmp in (self.root / pipeline).glob("*/.*.*"):
             if tmp.is_dir() and _writer_gone(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
                 removed.append(tmp)
+        now = datetime.now(timezone.utc)
+        for aside in (self.root / pipeline).glob(f"*/{CORRUPT_DIR}/*"):
+            moved = _moved_at(aside.name)
+            if moved is not None and (now - moved).total_seconds() > CORRUPT_KEEP_S:
+                shutil.rmtree(aside, ignore_errors=True)
+                removed.append(aside)
         return removed
+
+
+def _moved_at(name: str) -> datetime | None:
+    """When an entry named `<key>-<UTC time>` was moved aside, or None for a name of another form."""
+    try:
+        return datetime.strptime(name.rpartition("-")[2], _ASIDE_TIME).replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
 
 
 class HashCache:
@@ -252,10 +294,6 @@ class HashCache:
         self._lock = threading.RLock()
         self.hits = 0
 
-    @staticmethod
-    def _stamp(stat: os.stat_result) -> list[int]:
-        return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
-
     def _load(self) -> dict[str, list[Any]]:
         if self._entries is None:
             self._entries = {}
@@ -266,14 +304,15 @@ class HashCache:
         return self._entries
 
     def digest(self, path: Path, stat: os.stat_result) -> str:
-        stamp = self._stamp(stat)
+        stamp = _stamp(stat)
         with self._lock:
             entry = self._load().get(str(path))
         if isinstance(entry, list) and len(entry) == 2 and entry[0] == stamp:
             self.hits += 1
+            _note_digest(path, stamp, str(entry[1]))
             return str(entry[1])
         sha256 = file_digest(path)
-        if self._stamp(path.stat()) == stamp:  # unchanged while it was read
+        if _stamp(path.stat()) == stamp:  # unchanged while it was read
             with self._lock:
                 self._load()[str(path)] = [stamp, sha256]
                 self._dirty = True
@@ -281,8 +320,10 @@ class HashCache:
 
     def remember(self, path: Path, sha256: str) -> None:
         with self._lock:
-            self._load()[str(path)] = [self._stamp(path.stat()), sha256]
+            stamp = _stamp(path.stat())
+            self._load()[str(path)] = [stamp, sha256]
             self._dirty = True
+        _note_digest(path, stamp, sha256)
 
     def save(self) -> None:
         """Write the cache atomically (temp file + rename); entries of files gone are dropped."""

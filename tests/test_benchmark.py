@@ -91,6 +91,22 @@ def test_engines_of_a_target_and_the_reference_share_rounds_and_every_figure_com
         assert again.cached
 
 
+def test_the_gate_point_gets_the_main_budget_and_other_points_the_survey_budget(
+        pipeline_factory: Callable[..., Path], tiny_bert_dir: Path, tmp_path: Path) -> None:
+    """Rounds run until the budget is spent (a precision no interval reaches): the gate point, which
+    gates and decisions read, runs for max_seconds; the other point stops at its small survey budget."""
+    benchmark = {"batch_sizes": [1, 2], "seq_lens": [16], "warmup": 1, "min_rounds": 10000, "max_seconds": 2,
+                 "survey_seconds": 0.01, "precision": 1e-6, "threads": 1}
+    spec = load(pipeline_factory(tiny_bert_dir, "feature-extraction", benchmark=benchmark)).pipelines["tiny"]
+    store = ArtifactStore(tmp_path / "artifacts")
+    built = engines(spec, store)
+    view = for_candidate(run_benchmark(spec, "cpu", {"tiny/fp32/cpu": built["cpu"]}, store), "tiny/fp32/cpu")
+    survey, gate = view.outputs["points"]
+    assert (gate["batch"], survey["batch"]) == (2, 1) and view.outputs["gate_point"] == gate
+    assert gate["seconds"] >= 2 > survey["seconds"], (gate["seconds"], survey["seconds"])
+    assert gate["rounds"] > survey["rounds"]
+
+
 def test_the_champion_engine_is_measured_in_the_same_rounds_unless_it_is_a_candidate(
         encoder: tuple[PipelineSpec, ArtifactStore]) -> None:
     spec, store = encoder

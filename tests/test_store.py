@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
-from tasks.store import CORRUPT_DIR, HASH_CACHE, ArtifactStore, stage_key, tree_digest
+from tasks.store import CORRUPT_DIR, CORRUPT_KEEP_S, HASH_CACHE, ArtifactStore, stage_key, tree_digest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -190,7 +191,7 @@ def test_temp_dirs_of_dead_writers_are_removed_and_live_ones_kept(tmp_path: Path
             tmp.mkdir()
         os.utime(old, (time.time() - 2 * 24 * 3600,) * 2)
 
-        removed = store.clean_temp("p")
+        removed = store.clean("p")
         assert set(removed) == {temps["killed"], old}
         assert temps["live"].exists(), "a running writer's temp dir is never removed"
         assert young.exists()
@@ -198,7 +199,24 @@ def test_temp_dirs_of_dead_writers_are_removed_and_live_ones_kept(tmp_path: Path
     finally:
         live.kill()
         live.wait()
-    assert store.clean_temp("p") == [temps["live"]]
+    assert store.clean("p") == [temps["live"]]
+
+
+def test_damaged_outputs_moved_aside_are_kept_a_week_then_removed(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path)
+    for key in ("old", "recent"):
+        flip(publish(store, key, {"model.onnx": bytes(256)}) / "model.onnx")
+        assert store.lookup("p", "export", key) is None
+    corrupt = tmp_path / "p" / "export" / CORRUPT_DIR
+    [old] = corrupt.glob("old-*")
+    week_ago = datetime.now(timezone.utc) - timedelta(seconds=CORRUPT_KEEP_S + 60)
+    old = old.rename(corrupt / f"old-{week_ago:%Y%m%dT%H%M%S.%fZ}")
+    unknown = corrupt / "put-here-by-hand"
+    unknown.mkdir()
+
+    assert store.clean("p") == [old]
+    assert sorted(p.name.split("-")[0] for p in corrupt.iterdir()) == ["put", "recent"], \
+        "a recent repair, and anything whose name does not say when it was moved, stays"
 
 
 def test_tree_digest_follows_content(tmp_path: Path) -> None:
