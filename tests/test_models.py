@@ -50,9 +50,8 @@ def test_source_digest_follows_local_files_and_pins_hub_revision(tiny_bert_dir, 
     assert model_source_digest(hub) == "hub:org/model@abc123"
 
 
-def test_missing_model_dir_is_named(pipeline_factory, tmp_path):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+def test_missing_model_dir_is_named(tiny_bert_dir, pipeline_factory, tmp_path):
+    shutil.copytree(tiny_bert_dir, tmp_path / "model")  # whole when the file is checked, then damaged
     spec = _spec(pipeline_factory, tmp_path / "model", "feature-extraction")
     (tmp_path / "model" / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'model'} has no config.json"):
