@@ -51,7 +51,13 @@ def load_reference(spec: PipelineSpec) -> torch.nn.Module:
 
     source, kwargs = _source(spec)
     auto_class = getattr(transformers, _AUTO_CLASSES[spec.model.task])
-    model = auto_class.from_pretrained(source, dtype=torch.float32, **kwargs)
+    model, loading = auto_class.from_pretrained(source, dtype=torch.float32, output_loading_info=True, **kwargs)
+    missing = loading.get("missing_keys") or []
+    if missing:  # transformers would fill them with random numbers and only log a warning
+        raise ValueError(f"pipeline {spec.name}: the weights in {source} do not fit its config.json and task "
+                         f"{spec.model.task}: {len(missing)} tensors are missing ({', '.join(sorted(missing)[:5])}"
+                         f"{', ...' if len(missing) > 5 else ''}), so they would be random; use the checkpoint "
+                         "the config belongs to")
     return model.to("cpu").eval()
 
 

@@ -69,3 +69,18 @@ def test_tiny_llama_maker_is_deterministic(tmp_path):
     config = json.loads((first / "config.json").read_text())
     assert config["num_key_value_heads"] < config["num_attention_heads"], "grouped-query attention like Llama"
 
+
+
+def test_weights_that_do_not_fit_the_config_are_refused_not_randomized(tiny_bert_dir, pipeline_factory, tmp_path):
+    """A checkpoint whose tensor names do not match its config (another model's, a renamed export) would load as
+    random weights with only a logged warning, and an engine of random weights could then pass its gates."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_bert_dir, model)
+    tensors = load_file(model / "model.safetensors")
+    save_file({f"other.{name}": t for name, t in tensors.items()}, model / "model.safetensors")
+    spec = _spec(pipeline_factory, model, "feature-extraction")
+    with pytest.raises(ValueError, match=r"do not fit its config.json and task feature-extraction: \d+ tensors are "
+                                         r"missing \(embeddings\.LayerNorm\.bias, "):
+        load_reference(spec)
