@@ -198,6 +198,9 @@ class ArtifactStore:
                 return None, f"{MANIFEST} has no {MANIFEST_DIGEST} (written by an older smelter, or edited)"
             if manifest.pop(MANIFEST_DIGEST) != _manifest_digest(manifest):
                 return None, f"{MANIFEST} does not match its own sha256"
+            if (manifest.get("pipeline"), manifest.get("stage"), manifest.get("key")) != (pipeline, stage, key):
+                return None, (f"{MANIFEST} is for {manifest.get('pipeline')}/{manifest.get('stage')}/"
+                              f"{manifest.get('key')}, not this entry (copied or linked from elsewhere)")
             files = manifest["files"]
             expected = {str(name): (int(meta["bytes"]), str(meta["sha256"])) for name, meta in files.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -333,12 +336,18 @@ class HashCache:
             self._entries = {p: e for p, e in self._entries.items() if os.path.exists(p)}
             blob = json.dumps({"entries": self._entries, "digest": _entries_digest(self._entries)})
             self._dirty = False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:  # best effort, like reading it: without the cache files are only hashed again
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        except OSError as e:
+            log.warning("hash cache %s not saved: %s", self.path, e)
+            return
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(blob)
             os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("hash cache %s not saved: %s", self.path, e)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)

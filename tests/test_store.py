@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -217,6 +218,28 @@ def test_damaged_outputs_moved_aside_are_kept_a_week_then_removed(tmp_path: Path
     assert store.clean("p") == [old]
     assert sorted(p.name.split("-")[0] for p in corrupt.iterdir()) == ["put", "recent"], \
         "a recent repair, and anything whose name does not say when it was moved, stays"
+
+
+def test_an_entry_copied_or_linked_from_another_key_is_not_a_hit(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path)
+    source = publish(store, "real", {"model.onnx": b"engine"})
+    (source.parent / "linked").symlink_to(source)
+    shutil.copytree(source, source.parent / "copied")
+    for key in ("linked", "copied"):
+        result, problem = store.check("p", "export", key, repair=False)
+        assert result is None and "not this entry" in problem
+    assert store.lookup("p", "export", "real") is not None
+
+
+def test_an_unwritable_hash_cache_costs_hashing_not_the_lookup(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path)
+    publish(store, "k", {"model.onnx": b"engine"})
+    cache = tmp_path / HASH_CACHE
+    cache.unlink()
+    cache.mkdir()  # something else where the cache file goes
+    fresh = ArtifactStore(tmp_path)
+    assert fresh.lookup("p", "export", "k") is not None
+    assert cache.is_dir()
 
 
 def test_tree_digest_follows_content(tmp_path: Path) -> None:
