@@ -2,7 +2,8 @@
 
 For one pipeline's target (default minilm/cpu, all its precisions), side by side in one process:
   new:    the benchmark stage at the file's settings (every engine, the reference, in rounds until each
-          ratio is within ±benchmark.precision or max_seconds), timed whole;
+          ratio is within ±benchmark.precision or the point's budget: max_seconds at the gate point,
+          survey_seconds elsewhere), timed whole;
   before: per candidate, per shape point, 5 warm-up calls then 30 repeats of engine and reference in
           5 alternating blocks (the stage as it was), timed whole, with its speedup (a ratio of p50s,
           which had no interval).
@@ -75,7 +76,8 @@ def main() -> int:
     threads = benchmark_threads(spec, getattr(spec.target(args.target), "threads", None))
     torch.set_num_threads(threads)
     print(f"{len(builds)} engines of {spec.name}/{args.target}, {threads} threads, gate point {spec.gate_point}, "
-          f"precision ±{spec.benchmark.precision:.0%}, max {spec.benchmark.max_seconds:.0f} s per point")
+          f"precision ±{spec.benchmark.precision:.0%}, budget {spec.benchmark.max_seconds:.0f} s at the gate point, "
+          f"{spec.benchmark.survey_seconds:.0f} s at each other point")
     for attempt in (1, 2):
         with tempfile.TemporaryDirectory() as scratch:
             started = time.perf_counter()
