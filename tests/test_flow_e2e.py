@@ -205,17 +205,16 @@ def test_decoder_with_kv_cache_end_to_end(
     assert any(k.startswith("decode_b") for k in run.data.metrics), sorted(run.data.metrics)
 
 
-def test_an_unreachable_tracking_server_fails_candidates_not_the_run(
+def test_an_unreachable_tracking_server_is_refused_before_any_work(
         pipeline_factory: Any, tiny_bert_dir: Path, prefect_server: None, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from flows.cli import main
     from tests.fixtures.servers import free_port
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     path = pipeline_factory(tiny_bert_dir, "feature-extraction", name="offline")
-    code, summary = run_json(capsys, "-f", str(path), "--artifacts", str(tmp_path / "artifacts"))
-    assert code == 1
-    (candidate,) = summary["candidates"]
-    assert candidate["status"] == "failed" and candidate["failed_stage"] == "pipeline"
-    assert "pipeline offline failed" in candidate["error"]
+    artifacts = tmp_path / "artifacts"
+    assert main(["run", "--json", "-f", str(path), "--artifacts", str(artifacts)]) == 2
+    captured = capsys.readouterr()
+    assert "MLFLOW_TRACKING_URI" in captured.err and "does not answer" in captured.err
+    assert not captured.out and not (artifacts / "offline").exists(), "nothing was built or written"
