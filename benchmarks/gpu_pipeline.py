@@ -7,7 +7,7 @@ and outputs on the device, CUDA events around each call. The bf16 matrix-product
 copy bandwidth are measured first, and each figure is also given as a fraction of its bound.
 
 Usage: python -m benchmarks.gpu_pipeline --out benchmarks/results/h200.json [--sections decoder,encoder]
-       [--append] [--quick]
+       [--append] [--quick]   (sections: decoder, decoder_fp8, encoder, decode_step)
 (--quick: a 2-layer model, to check the script in a minute). Writes the JSON after each section,
 so a run stopped early keeps what it measured.
 """
@@ -149,7 +149,7 @@ def run_warm_start(engine: Path, target_json: str, shape_json: str) -> None:
 
 
 def decoder_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
-    from tasks.backends.static_decoder import StaticDecoder  # noqa: F401  (import errors surface here, early)
+    from tasks.backends.llama_graphs import StaticDecoder  # noqa: F401  (import errors surface here, early)
 
     config = QUICK_LLAMA if args.quick else LLAMA_32_1B
     batch, seq, past = 8, 512, 512
@@ -228,6 +228,47 @@ def decoder_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
         section["warm_start"]["fraction_of_cold_build"] = round(
             section["warm_start"]["load_and_first_inference_all_graphs_s"] / facts["cold_build_s"], 3)
     report.add("decoder", section)
+
+
+def decoder_fp8_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
+    """The same decoder's prefill as an fp8 engine (e4m3 products, bf16 elsewhere), against the bf16 bound
+    and the fp32 eager reference on the same prompts; its decode step is the bf16 one measured above."""
+    config = QUICK_LLAMA if args.quick else LLAMA_32_1B
+    batch, seq = 8, 512
+    model_dir = work / "llama-fp8"
+    make_model("decoder", config, model_dir)
+    from transformers import LlamaConfig
+
+    shape = gm.DecoderShape.from_config(LlamaConfig(**config))
+    bound = gm.bound_ms(shape.prefill_flops(batch, seq), ceilings["gemm_bf16"]["tflops"])
+    section: dict[str, Any] = {"prefill_shape": [batch, seq], "prefill_bf16_bound_ms": round(bound, 3)}
+    checks = prompts(config["vocab_size"], batch, seq, args.check_batches, 7)
+    model = eager("decoder", model_dir, torch.float32)
+    with torch.no_grad():
+        reference = [model(input_ids=c, use_cache=False, logits_to_keep=1).logits[:, -1].float() for c in checks]
+    del model
+    torch.cuda.empty_cache()
+    target = {"name": "sm90", "backend": "inductor", "device": "cuda", "arch": detect_gpu().arch,
+              "format": "compiled", "compile_mode": args.compile_mode}
+    engine_dir = work / "engine-llama-fp8"
+    engine_dir.mkdir()
+    backend = InductorBackend()
+    started = time.perf_counter()
+    facts = backend.build_from_model(model_dir, "text-generation", "fp8", InductorTarget(**target),
+                                     [ProfileSpec(batch=[1, batch, batch], seq=[1, seq, seq])], engine_dir)
+    facts["cold_build_s"] = round(time.perf_counter() - started, 3)
+    section["engine_build"] = facts
+    runner = backend.load(engine_dir, InductorTarget(**target))
+    with torch.no_grad():
+        engine_logits = [runner.prefill(c, torch.ones_like(c)).float() for c in checks]
+    section["top1_vs_fp32"] = top1_agreement(reference, engine_logits)
+    section["positions_checked"] = len(checks) * batch
+    ids = checks[0]
+    section["prefill"] = timed(lambda: runner.prefill(ids, torch.ones_like(ids)), 3, args.repeats)
+    ms = section["prefill"]["median_ms"]
+    section["prefill_tokens_per_s"] = round(batch * seq / ms * 1e3)
+    section["prefill_ms_over_bf16_bound"] = round(ms / bound, 3)
+    report.add("decoder_fp8", section)
 
 
 def decoder_summary(section: dict[str, Any], batch: int, seq: int, decode_batches: list[int]) -> dict[str, Any]:
@@ -342,6 +383,11 @@ def print_table(data: dict[str, Any]) -> None:
         build = ("export_seconds", "compile_seconds", "cold_build_s", "cache_bytes", "engine_bytes")
         print(f"  build {json.dumps({k: dec['engine_build'].get(k) for k in build})}")
         print(f"  warm start {json.dumps(dec.get('warm_start'))}")
+    fp8 = data.get("decoder_fp8", {})
+    if "prefill" in fp8:
+        print(f"decoder fp8 prefill {fp8['prefill']['median_ms']} ms = {fp8['prefill_ms_over_bf16_bound']} x the bf16 "
+              f"bound ({fp8['prefill_bf16_bound_ms']} ms), top1 vs fp32 {fp8['top1_vs_fp32']}, "
+              f"build {fp8['engine_build'].get('cold_build_s')} s")
     enc = data.get("encoder", {})
     if "engine_bf16" in enc:
         for who in ("engine_bf16", "eager_bf16", "eager_fp32"):
@@ -383,7 +429,8 @@ def main() -> None:
         for name in args.sections.split(","):
             started = time.perf_counter()
             try:
-                {"decoder": decoder_section, "encoder": encoder_section, "decode_step": decode_step_section}[name](
+                {"decoder": decoder_section, "decoder_fp8": decoder_fp8_section, "encoder": encoder_section,
+                 "decode_step": decode_step_section}[name](
                     args, Path(tmp), report.data["ceilings"], report)
             except Exception as e:  # keep what the other section measured; say what failed
                 import traceback

@@ -283,6 +283,7 @@ def config_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> 
     elif spec.model.task not in tasks:
         problems.append((("model", "task"), f"Optimum's ONNX exporter cannot export {shown(model_type)} models for "
                                             f"{spec.model.task}; it supports {', '.join(tasks)}"))
+    problems += _fp8_problems(spec, config, source)
     key, limit = max_positions(config)
     if limit is None:
         return problems
@@ -297,6 +298,24 @@ def config_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> 
         problems.append((("calibration", "seq_len"), f"{spec.calibration.seq_len} tokens is beyond the model's "
                                                      f"{key} {limit} ({source})"))
     return problems
+
+
+def _fp8_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
+    """fp8 engines come from the Llama-family graphs only: say so now, not after the export."""
+    if not any(c.precision == "fp8" for c in spec.candidates()):
+        return []
+    from types import SimpleNamespace
+
+    from tasks.backends.llama_graphs import fp8_unsupported
+
+    if not spec.model.is_decoder:
+        problem = f"fp8 is built for Llama-family decoders only; model.task is {spec.model.task}"
+    else:
+        try:
+            problem = fp8_unsupported(SimpleNamespace(**{"num_key_value_heads": None, **config}))
+        except (AttributeError, TypeError, ZeroDivisionError) as e:
+            problem = f"fp8 needs a Llama-family config with its sizes; this one lacks them ({clip(str(e))})"
+    return [(("precisions", spec.precisions.index("fp8")), f"{problem} ({source})")] if problem else []
 
 
 def max_positions(config: dict[str, Any]) -> tuple[str | None, int | None]:

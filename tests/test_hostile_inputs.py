@@ -64,6 +64,8 @@ MODEL_CONFIGS = {
     "gpt2": {"model_type": "gpt2", "n_positions": 64},
     "florp": {"model_type": "florp-not-a-model", "max_position_embeddings": 512},
     "no-type": {"architectures": ["BertModel"]},
+    "llama-odd": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 128,
+                  "hidden_size": 64, "intermediate_size": 100, "num_attention_heads": 4, "num_key_value_heads": 2},
 }
 
 
@@ -483,6 +485,13 @@ FILE_CASES = {
     "fp8-before-sm89": Case(enc("[fp32, int8]", "[bf16, fp8]").replace(
         "{name: cpu, backend: onnxruntime}", "{name: a100, backend: inductor, arch: sm80}"), 6,
         "pipelines.enc.precisions.1", "a100: fp8 needs device cuda with arch sm89 or newer"),
+    "fp8-on-an-encoder": Case(enc("[fp32, int8]", "[bf16, fp8]").replace(
+        "{name: cpu, backend: onnxruntime}", "{name: h200, backend: inductor, arch: sm90}"), 6,
+        "pipelines.enc.precisions.1", "fp8 is built for Llama-family decoders only"),
+    "fp8-sizes-not-multiples-of-16": Case(dec("[fp32]", "[bf16, fp8]").replace(
+        "{name: cpu, backend: onnxruntime}", "{name: h200, backend: inductor, arch: sm90}").replace(
+        "models/llama,", "models/llama-odd,"), 6, "pipelines.dec.precisions.1",
+        "fp8 products need sizes divisible by 16; this model has intermediate_size = 100"),
     "bf16-on-tensorrt-only": Case(enc("[fp32, int8]", "[bf16]").replace(
         "{name: cpu, backend: onnxruntime}", "{name: sm90, backend: tensorrt, arch: sm90}"), 6,
         "pipelines.enc.precisions.0", "backend tensorrt does not build bf16"),

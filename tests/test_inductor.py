@@ -1,4 +1,5 @@
-"""The inductor backend without a GPU: its table entry, refusals, the decode-step graph, AOTInductor on the CPU."""
+"""The inductor backend without a GPU: its table entry, refusals, the Llama-family graphs (fp8 too: torch's
+CPU kernels run torch._scaled_mm), AOTInductor on the CPU."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tasks.backends.base import BackendUnavailable, get_backend
-from tasks.backends.inductor import (DecodeSession, EngineMismatch, InductorBackend, export_decode, load_problem,
-                                     versions, warm_shapes)
-from tasks.backends.static_decoder import StaticDecoder, empty_cache
+from tasks.backends.inductor import (DecodeSession, EngineMismatch, InductorBackend, export_decode, export_prefill,
+                                     load_problem, versions, warm_shapes)
+from tasks.backends.llama_graphs import LlamaPrefill, StaticDecoder, empty_cache, fp8_unsupported
 from tasks.backends.table import BACKENDS
 from tasks.gpu import GpuInfo
 from tasks.spec import InductorTarget, ProfileSpec
@@ -99,6 +100,41 @@ def test_the_decode_step_writes_only_its_position(llama: LlamaForCausalLM) -> No
         assert changed.tolist() == [False, False, False, True, False, False, False, False]
 
 
+def test_the_prefill_graph_gives_each_rows_next_token_after_its_last_real_token(llama: LlamaForCausalLM) -> None:
+    """Right-padded prompts of different lengths: each row's logits are HF's at that row's last real token."""
+    ids = torch.randint(0, 256, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[2, 1:] = 0
+    expected = llama(ids, attention_mask=mask).logits[torch.arange(3), mask.sum(1) - 1]
+    program = export_prefill(llama, causal=True, batch=2, seq=8)
+    torch.testing.assert_close(program.module()(input_ids=ids, attention_mask=mask), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(LlamaPrefill(llama)(ids, mask), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_prefill_stays_close_to_the_model(llama: LlamaForCausalLM) -> None:
+    """e4m3 weights per channel and activations per token: the exported graph runs and stays near fp32."""
+    ids = torch.randint(0, 256, (4, 16))
+    mask = torch.ones_like(ids)
+    expected = llama(ids).logits[:, -1]
+    got = export_prefill(llama, causal=True, batch=2, seq=8, fp8=True).module()(input_ids=ids, attention_mask=mask)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
+    assert cosine.min() > 0.99, cosine
+    assert not torch.equal(got, expected), "fp8 products give (slightly) other numbers than fp32"
+    layer = LlamaPrefill(llama, fp8=True).layers[0]
+    assert layer.qkv.weight.dtype == torch.float8_e4m3fn and layer.qkv.scale.shape == (1, 64 + 2 * 32)
+
+
+def test_fp8_is_refused_with_the_reason(llama: LlamaForCausalLM) -> None:
+    odd = llama.config.__class__(**{**llama.config.to_dict(), "intermediate_size": 100})
+    assert fp8_unsupported(odd) == "fp8 products need sizes divisible by 16; this model has intermediate_size = 100"
+    gpt2 = llama.config.__class__(**{**llama.config.to_dict(), "architectures": ["GPT2LMHeadModel"]})
+    assert fp8_unsupported(gpt2).startswith("fp8 is built for Llama-family decoders only: the Llama-family graphs")
+    with pytest.raises(BackendUnavailable, match="fp8 is built for Llama-family decoders only"):
+        export_prefill(llama.model, causal=False, batch=2, seq=8, fp8=True)
+
+
 def test_aoti_package_builds_and_loads_on_the_cpu(llama: LlamaForCausalLM, tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     llama.save_pretrained(model_dir)
@@ -116,3 +152,7 @@ def test_aoti_package_builds_and_loads_on_the_cpu(llama: LlamaForCausalLM, tmp_p
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(BackendUnavailable, match="no decode-step graph"):
         runner.decoder(1, 8)
+    left_padded = np.ones_like(ids)
+    left_padded[0, :3] = 0
+    with pytest.raises(ValueError, match="right-padded prompts .* a 1 after a 0"):
+        runner.infer({"input_ids": ids, "attention_mask": left_padded})

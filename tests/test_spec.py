@@ -94,9 +94,18 @@ def test_numbers_as_people_write_them(workdir: Path) -> None:
     assert (enc.benchmark.batch_sizes, enc.benchmark.warmup) == ([1, 4], 2)
 
 
+def llama_decoder(workdir: Path, precisions: str) -> str:
+    """VALID as a Llama-family decoder (fp8 is built for those only) with every kind of target."""
+    (workdir / "model" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 512,
+         "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    return VALID.replace("precisions: [fp32, int8]", f"precisions: {precisions}").replace(
+        "      - {name: cpu, backend: onnxruntime}\n", GPU_TARGETS).replace(
+        "feature-extraction", "text-generation").replace("cosine_mean", "top1_agreement")
+
+
 def test_each_backend_has_its_own_settings(workdir: Path) -> None:
-    text = VALID.replace("precisions: [fp32, int8]", "precisions: [fp32, fp16, bf16, int8, fp8]").replace(
-        "      - {name: cpu, backend: onnxruntime}\n", GPU_TARGETS)
+    text = llama_decoder(workdir, "[fp32, fp16, bf16, int8, fp8]")
     enc = load(write(workdir, text)).pipelines["enc"]
     cpu, sm90, h200, a100, cpu_pt = enc.targets
     assert isinstance(cpu, OnnxRuntimeTarget) and (cpu.threads, cpu.arch, cpu.device_kind) == (2, None, "cpu")
@@ -110,8 +119,7 @@ def test_each_backend_has_its_own_settings(workdir: Path) -> None:
 
 
 def test_candidates_exist_only_where_the_backend_builds_the_precision(workdir: Path) -> None:
-    text = VALID.replace("precisions: [fp32, int8]", "precisions: [fp32, bf16, int8, fp8]").replace(
-        "      - {name: cpu, backend: onnxruntime}\n", GPU_TARGETS)
+    text = llama_decoder(workdir, "[fp32, bf16, int8, fp8]")
     enc = load(write(workdir, text)).pipelines["enc"]
     built = {(c.precision, c.target) for c in enc.candidates()}
     assert ("fp8", "h200") in built and ("bf16", "cpu-pt") in built and ("int8", "sm90") in built

@@ -2,9 +2,11 @@
 
 An engine directory holds:
 - `prefill.pt2`: the forward over a whole prompt, dynamic in batch and sequence (decoders return
-  the next-token logits of the last position, encoders the last hidden state);
+  the next-token logits of each row's last real token, encoders the last hidden state); Llama-family
+  decoders use smelter's own graph (tasks/backends/llama_graphs.py: fused products, fp8 possible),
+  other models the HF forward;
 - `decode.pt2` (Llama-family decoders, format `compiled`): one decode step over a static KV cache
-  (tasks/backends/static_decoder.py), replayed with CUDA graphs on a GPU;
+  (tasks/backends/llama_graphs.py), replayed with CUDA graphs on a GPU;
 - format `compiled`: those are exported programs, and `compile_cache.bin` holds Inductor's compile
   artifacts (torch.compiler.save_cache_artifacts), so loading compiles from the cache instead of
   autotuning again. This is the format that runs where AOTInductor's loader does not;
@@ -34,7 +36,8 @@ PREFILL = "prefill.pt2"
 DECODE = "decode.pt2"
 COMPILE_CACHE = "compile_cache.bin"
 SIDECAR = "engine.json"
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "fp8": torch.bfloat16}  # fp8: the products' operands; everything else, and the outputs, in bf16
 CAUSAL_TASKS = ("text-generation", "text-generation-with-past")
 
 
@@ -79,7 +82,8 @@ def _load_model(model_dir: Path, task: str, dtype: torch.dtype, device: str) -> 
 
 
 class PrefillGraph(torch.nn.Module):
-    """The HF model over a whole prompt: next-token logits of the last position, or the last hidden state."""
+    """The HF model over a whole prompt (models without Llama-family graphs): next-token logits of each
+    row's last real token, or the last hidden state."""
 
     def __init__(self, model: torch.nn.Module, causal: bool):
         super().__init__()
@@ -87,8 +91,9 @@ class PrefillGraph(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         if self.causal:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
-            return out.logits[:, -1]
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            last = attention_mask.sum(dim=1).clamp(min=1) - 1
+            return logits[torch.arange(logits.shape[0], device=logits.device), last]
         return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
@@ -108,21 +113,36 @@ def _exportable_masks(model: torch.nn.Module) -> None:
     model.config._attn_implementation = "sdpa_without_vmap"
 
 
-def export_prefill(model: torch.nn.Module, causal: bool, batch: int, seq: int) -> torch.export.ExportedProgram:
-    """Export with batch and sequence dynamic (Dim.AUTO: named ranges hit guards Llama's attention adds)."""
+def prefill_graph(model: torch.nn.Module, causal: bool, fp8: bool) -> torch.nn.Module:
+    """smelter's own graph for Llama-family decoders (the only one built in fp8), else the HF forward."""
+    from tasks.backends.llama_graphs import LlamaPrefill, fp8_unsupported, unsupported
+
+    if fp8:
+        problem = fp8_unsupported(model.config) if causal else "fp8 is built for Llama-family decoders only"
+        if problem:
+            raise BackendUnavailable(problem)
+    if causal and unsupported(model.config) is None:
+        return LlamaPrefill(model, fp8=fp8).eval()
     _exportable_masks(model)
+    return PrefillGraph(model, causal)
+
+
+def export_prefill(model: torch.nn.Module, causal: bool, batch: int, seq: int,
+                   fp8: bool = False) -> torch.export.ExportedProgram:
+    """Export with batch and sequence dynamic (Dim.AUTO: named ranges hit guards Llama's attention adds)."""
+    graph = prefill_graph(model, causal, fp8)
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
     with torch.no_grad():
         feeds = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        return torch.export.export(PrefillGraph(model, causal), (), feeds,
+        return torch.export.export(graph, (), feeds,
                                    dynamic_shapes={"input_ids": auto, "attention_mask": auto}, strict=False)
 
 
 def export_decode(model: torch.nn.Module, dtype: torch.dtype) -> torch.export.ExportedProgram:
     """Export the static-cache decode step, dynamic in batch and cache length."""
-    from tasks.backends.static_decoder import StaticDecoder, empty_cache
+    from tasks.backends.llama_graphs import StaticDecoder, empty_cache
 
     device = next(model.parameters()).device
     step = StaticDecoder(model).eval()
@@ -166,7 +186,7 @@ class DecodeSession:
 
     def __init__(self, step: torch.nn.Module, config: Any, batch: int, max_len: int, dtype: torch.dtype,
                  device: str):
-        from tasks.backends.static_decoder import empty_cache
+        from tasks.backends.llama_graphs import empty_cache
 
         self.batch, self.max_len = batch, max_len
         self.module = _CachedStep(step, *empty_cache(config, batch, max_len, dtype, device))
@@ -219,6 +239,8 @@ class InductorRunner(Runner):
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
             raise KeyError(f"inductor engine needs inputs {self.input_names}; missing {missing}")
+        if self.causal:
+            _require_right_padding(np.asarray(feeds["attention_mask"]))
         return {n: torch.as_tensor(np.asarray(feeds[n], dtype=np.int64), device=self.device) for n in self.input_names}
 
     def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -242,6 +264,13 @@ class InductorRunner(Runner):
         session = DecodeSession(self._decode_graph, self._config, batch, max_len, self.dtype, self.device)
         session.compile(_compile_options(self.target, decode=True))
         return session
+
+
+def _require_right_padding(mask: np.ndarray) -> None:
+    """The prefill reads each row's last real token where its 1s end: a 1 after a 0 would be misread."""
+    if mask.ndim == 2 and mask.shape[1] > 1 and (np.diff(mask.astype(np.int8), axis=1) > 0).any():
+        raise ValueError("inductor decoder engines take right-padded prompts (attention_mask 1s, then 0s); "
+                         "this attention_mask has a 1 after a 0 (left padding?)")
 
 
 class _Config:
@@ -332,7 +361,7 @@ class InductorBackend(Backend):
             problem = problem or f"inductor builds {', '.join(DTYPES)} here; {precision} is not built yet"
         if problem:
             raise BackendUnavailable(problem)
-        from tasks.backends.static_decoder import unsupported
+        from tasks.backends.llama_graphs import unsupported
 
         dtype, device = DTYPES[precision], target.device
         causal = task in CAUSAL_TASKS
@@ -340,7 +369,7 @@ class InductorBackend(Backend):
         model = _load_model(model_dir, task, dtype, device)
         prefill_shapes, decode_shapes = warm_shapes(profiles)
         batch, seq = max(prefill_shapes)
-        prefill_program = export_prefill(model, causal, max(batch, 2), max(seq, 2))
+        prefill_program = export_prefill(model, causal, max(batch, 2), max(seq, 2), fp8=precision == "fp8")
         has_decode = causal and target.format == "compiled" and unsupported(model.config) is None
         decode_program = export_decode(model, dtype) if has_decode else None
         export_seconds = time.perf_counter() - started
