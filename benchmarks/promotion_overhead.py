@@ -68,7 +68,7 @@ def main() -> None:
         spread("file lock acquire+release", lambda: _hold(locks.exclusive("promote bench", "bench")), args.repeats)
         from flows.prefect_server import owned_server
 
-        with owned_server():
+        with owned_server() as server, server.serving():
             _hold(locks.exclusive("promote bench", "bench"))  # creates the limit
             spread("file lock + Prefect limit acquire+release", lambda: _hold(locks.exclusive("promote bench", "bench")),
                    args.repeats)

@@ -181,10 +181,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tasks.spec import SpecError, select
+    from tasks.spec import select
 
     specs = _load(args)
     selected = select(specs, args.pipeline, args.precision, args.target)
+    from flows.prefect_server import owned_server
+
+    with owned_server() as server:  # starts now; its startup overlaps the checks below
+        return _run(args, specs, selected, server)
+
+
+def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any) -> int:
+    from tasks.spec import SpecError
+
     _check_services(mlflow=True, prefect=True)
     from flows import progress
     from flows.nightly import nightly_flow
@@ -203,9 +212,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                      + ("" if args.verbose else f"; library output in {log_path}"))
     # stdout is the summary's: libraries' prints go to stderr (--verbose) or the log file
     quieted = contextlib.redirect_stdout(sys.stderr) if args.verbose else progress.captured_output(log_path)
-    from flows.prefect_server import owned_server
-
-    with quieted, owned_server():
+    with quieted, server.serving():
         summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
                                  targets=args.target or None, force=args.force, artifacts=args.artifacts,
                                  allow_outside_paths=args.allow_outside_paths)

@@ -4,6 +4,9 @@ With no PREFECT_API_URL, Prefect starts its own temporary server (a uvicorn subp
 it at exit; a SIGKILL skips that and leaves the server running forever, parented to init. This one
 is started the same way, but the kernel kills it when its parent dies (PR_SET_PDEATHSIG), and two
 runs starting at once on a fresh Prefect database migrate it one at a time (a file lock).
+
+It is started before the run's own checks and imports and waited for only when the flow needs it:
+its few seconds of startup, in its own process, overlap that work instead of following it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,35 +98,91 @@ def api_problem() -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def owned_server() -> Iterator[str | None]:
-    """Point Prefect at a server that dies with this process; yields its API URL (None when one is configured)."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+class StartedServer:
+    """A temporary server starting in its own process; `serving()` waits until it answers.
 
-    from tasks.locks import file_lock
+    The start lock is taken before the process starts and released by a waiting thread as soon as
+    the server answers, so a second run's server migrates the database after this one's, without
+    waiting for this run's own checks. The process is started from the calling thread: the kernel
+    kills it when that thread ends (PR_SET_PDEATHSIG), and the main thread lasts as long as the run.
+    """
+
+    def __init__(self, timeout_s: float):
+        from prefect.settings import PREFECT_HOME
+
+        from tasks.locks import file_lock
+
+        self._log = tempfile.TemporaryFile()  # the server's stderr, read only when it fails to start
+        self._start_lock = contextlib.ExitStack()
+        self._start_lock.enter_context(file_lock(Path(PREFECT_HOME.value()) / "smelter-server-start.lock"))
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}/api"
+        try:
+            self.process = _start(port, self._log)
+        except BaseException:
+            self._start_lock.close()
+            self._log.close()
+            raise
+        self._failure: BaseException | None = None
+        self._waiter = threading.Thread(target=self._wait, args=(timeout_s,), name="prefect-server-start",
+                                        daemon=True)
+        self._waiter.start()
+
+    def _wait(self, timeout_s: float) -> None:
+        try:
+            _wait_healthy(self.process, self.url, timeout_s, self._log)
+        except BaseException as e:  # noqa: BLE001 - raised in the main thread by serving()
+            self._failure = e
+        finally:
+            self._start_lock.close()
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[str]:
+        """Wait until the server answers, point Prefect at it, and send what is queued for it at the end.
+
+        Flow-run heartbeats are off: they tell a lasting server that a run's process died, and this
+        server dies with it. (Prefect joins the heartbeat thread, which sleeps in 1 s steps, at the
+        end of every flow and subflow: up to a second each.)
+        """
+        from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+        self._waiter.join()
+        if self._failure is not None:
+            raise self._failure
+        with temporary_settings(updates={PREFECT_API_URL: self.url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            try:
+                yield self.url
+            finally:
+                _drain()
+
+    def stop(self) -> None:
+        _stop(self.process)
+        self._waiter.join()
+        self._log.close()
+
+
+class ConfiguredServer:
+    """PREFECT_API_URL names a server: nothing to start or wait for."""
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        yield None
+
+
+@contextlib.contextmanager
+def owned_server() -> Iterator[StartedServer | ConfiguredServer]:
+    """Start a server that dies with this process (unless PREFECT_API_URL names one) and stop it at the end.
+    Use `with owned_server() as server: ...; with server.serving(): <flows>`."""
+    from prefect.settings import PREFECT_API_URL
 
     if PREFECT_API_URL.value():
-        yield None
+        yield ConfiguredServer()
         return
-    timeout_s = float(os.environ.get(STARTUP_TIMEOUT_ENV, "120"))
-    with tempfile.TemporaryFile() as log:  # the server's stderr, read only when it fails to start
-        with file_lock(Path(PREFECT_HOME.value()) / "smelter-server-start.lock"):
-            port = _free_port()
-            process = _start(port, log)
-            url = f"http://127.0.0.1:{port}/api"
-            try:
-                _wait_healthy(process, url, timeout_s, log)
-            except BaseException:
-                _stop(process)
-                raise
-        try:
-            with temporary_settings(updates={PREFECT_API_URL: url}):
-                try:
-                    yield url
-                finally:
-                    _drain()
-        finally:
-            _stop(process)
+    server = StartedServer(float(os.environ.get(STARTUP_TIMEOUT_ENV, "120")))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def _drain() -> None:

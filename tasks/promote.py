@@ -20,9 +20,11 @@ later step fails, so a deploy system never sees a half-made promotion.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 from tasks import engine_check, killpoints, notify, tracking
 from tasks.metrics import key_metrics, stage_metrics
@@ -104,6 +106,8 @@ def _engine_ok(spec: PipelineSpec, outcome: CandidateOutcome) -> bool:
     if outcome.cache_key and tracking.find_versions(name, {"cache_key": outcome.cache_key}):
         return True  # checked when it was registered; the registry's copy is what deploys fetch
     try:
+        with tempfile.TemporaryDirectory(prefix="smelter-engine-") as work_dir:
+            tracking.hold_engine_files(outcome, Path(work_dir))
         if outcome.stages["build"].path.is_dir():
             engine_check.check_before_registering(spec, outcome.stages, tracking.uploaded_engine_digest(outcome.run_id))
         else:  # built on another pool's host: what is registered is its upload, checked there

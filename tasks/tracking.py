@@ -8,6 +8,7 @@ MLflow's own configuration applies: MLFLOW_TRACKING_URI when set, else MLflow's 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -49,6 +50,7 @@ DESCRIPTION_TAG = "mlflow.note.content"  # what the MLflow UI shows as a run's d
 OUTCOME_RECORD = "smelter/outcome.json"  # a candidate's stage results, as the parent run rebuilds them
 OWNER_TAG = "smelter.owner"  # "<host> <pid> <process start>": who may still be writing a RUNNING run
 ENGINE_DIGEST_TAG = "engine_sha256"
+ENGINE_SOURCE_TAG = "engine_source"  # the engine's copy in MLflow when the run did not upload one itself
 ENGINE_CHECK_TAG = "engine_check"  # "passed", or why not: the verdict of the host that built the engine
 _initialised: set[str] = set()
 
@@ -270,11 +272,14 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
 
 
 def _log_engine(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
-    """Upload the engine unless the registry already holds this exact one: nightly re-runs add no copies.
+    """Upload the engine unless MLflow already holds this exact one: nightly re-runs add no copies.
 
-    The files must match their build manifest's sha256 first (a file that rotted in the cache is
-    never uploaded: EngineRejected fails the candidate); the digest of what was uploaded is tagged
-    on the run, and registration checks the files against it again.
+    Held already: by a registry version of the same build key, or by an earlier run of this
+    pipeline that uploaded these very files (a rejected engine re-judged every night); the run then
+    names that copy in its `engine_source` tag. The files must match their build manifest's sha256
+    first (a file that rotted in the cache is never uploaded: EngineRejected fails the candidate);
+    the digest of what was uploaded is tagged on the run, and registration checks the files against
+    it again.
     """
     build = outcome.stages.get("build")
     if build is None:
@@ -282,20 +287,69 @@ def _log_engine(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
     name = registered_model_name(spec.name, outcome.candidate.target)
     holder = find_versions(name, {"cache_key": build.key}) if build.cached else []
     if holder:
-        mlflow.set_tag("engine_source", f"models:/{name}/{holder[0].version}")
+        mlflow.set_tag(ENGINE_SOURCE_TAG, f"models:/{name}/{holder[0].version}")
         return
     engine_check.verify_files(build)
     digest = engine_check.engine_digest(build)
-    for index, path in enumerate(sorted(p for p in build.path.rglob("*") if p.is_file())):
-        if index == 1:
-            killpoints.reach("upload")
-        folder = path.parent.relative_to(build.path).as_posix()
-        mlflow.log_artifact(str(path), "engine" if folder == "." else f"engine/{folder}")
-    if (signature := engine_signature(outcome.stages)) is not None:
-        mlflow.log_text(_mlmodel(signature, mlflow.active_run().info.run_id), "engine/MLmodel")
+    earlier = _earlier_upload(spec.name, build.key, digest) if build.cached else None
+    if earlier:
+        mlflow.set_tags({ENGINE_SOURCE_TAG: f"runs:/{earlier}/engine", ENGINE_DIGEST_TAG: digest})
+        return
+    run_id = mlflow.active_run().info.run_id
+    _upload_engine(run_id, build.path, outcome.stages)
     if engine_check.engine_digest(build) != digest:
         raise engine_check.EngineRejected(f"{build.path}: the engine's files changed while they were uploaded")
     mlflow.set_tag(ENGINE_DIGEST_TAG, digest)
+
+
+def _upload_engine(run_id: str, files: Path, stages: dict[str, StageResult]) -> None:
+    """The engine's files as the run's `engine` artifacts, with an MLmodel file naming its signature."""
+    client = _client()
+    for index, path in enumerate(sorted(p for p in files.rglob("*") if p.is_file() and p.name != "MLmodel")):
+        if index == 1:
+            killpoints.reach("upload")
+        folder = path.parent.relative_to(files).as_posix()
+        client.log_artifact(run_id, str(path), "engine" if folder == "." else f"engine/{folder}")
+    if (signature := engine_signature(stages)) is not None:
+        client.log_text(run_id, _mlmodel(signature, run_id), "engine/MLmodel")
+
+
+def hold_engine_files(outcome: CandidateOutcome, work_dir: Path) -> None:
+    """Upload the engine into the candidate's own run when that run only names an earlier run's copy.
+
+    MLflow accepts a version's source only inside the version's run, and the version must point at
+    the run that judged it. So the one upload a rejected engine's later runs skipped is made when
+    one of them is about to be registered: from the build here, else from that copy, checked
+    against the digest it was uploaded with.
+    """
+    client = _client()
+    tags = client.get_run(outcome.run_id).data.tags
+    if not tags.get(ENGINE_SOURCE_TAG, "").startswith("runs:/"):
+        return
+    build = outcome.stages["build"]
+    files = engine_dir(outcome, work_dir)
+    if engine_check.engine_digest(dataclasses.replace(build, path=files)) != tags.get(ENGINE_DIGEST_TAG):
+        raise engine_check.EngineRejected(f"{tags[ENGINE_SOURCE_TAG]}: the engine's files differ from the digest "
+                                          "recorded when they were uploaded")
+    _upload_engine(outcome.run_id, files, outcome.stages)
+    client.delete_tag(outcome.run_id, ENGINE_SOURCE_TAG)
+
+
+def _earlier_upload(pipeline: str, build_key: str, digest: str) -> str | None:
+    """The oldest finished run of this pipeline that uploaded the engine files with this digest itself."""
+    client = _client()
+    experiment = client.get_experiment_by_name(experiment_name(pipeline))
+    if experiment is None:
+        return None
+    runs = client.search_runs([experiment.experiment_id], max_results=50, order_by=["attributes.start_time ASC"],
+                              filter_string=f"tags.cache_key = '{build_key}' AND tags.{ENGINE_DIGEST_TAG} = "
+                                            f"'{digest}' AND attributes.status = 'FINISHED'")
+    return next((r.info.run_id for r in runs if ENGINE_SOURCE_TAG not in r.data.tags), None)
+
+
+def engine_source(run_id: str) -> str:
+    """Where a candidate run's engine files are in MLflow: its own `engine` artifacts, or the copy it names."""
+    return _client().get_run(run_id).data.tags.get(ENGINE_SOURCE_TAG) or f"runs:/{run_id}/engine"
 
 
 def record_engine_check(run_id: str, verdict: str) -> None:
@@ -593,6 +647,11 @@ def store_problem() -> str | None:
         database = Path(uri.removeprefix("sqlite:///").split("?")[0])
         if not database.parent.is_dir():
             return f"MLFLOW_TRACKING_URI {shown}: the directory of the database, {clip(str(database.parent))}, does not exist"
+        try:
+            init_store()
+        except Exception as e:  # noqa: BLE001 - not a database, or one MLflow cannot migrate, whichever way it says it
+            first_line = next(iter(str(e).strip().splitlines()), "")
+            return f"MLFLOW_TRACKING_URI {shown}: MLflow cannot open this store ({type(e).__name__}: {clip(first_line)})"
     if scheme in ("http", "https"):
         import httpx
 
@@ -774,6 +833,6 @@ def engine_dir(outcome: CandidateOutcome, dest: Path) -> Path:
     build = outcome.stages["build"]
     if build.path.is_dir():
         return build.path
-    source = _client().get_run(outcome.run_id).data.tags.get("engine_source") or f"runs:/{outcome.run_id}/engine"
+    source = engine_source(outcome.run_id)
     dest.mkdir(parents=True, exist_ok=True)
     return Path(mlflow.artifacts.download_artifacts(source, dst_path=str(dest)))

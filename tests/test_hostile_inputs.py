@@ -561,6 +561,9 @@ CLI_CASES = {
     "mlflow-sqlite-dir-missing": Case(ENC, None, "MLFLOW_TRACKING_URI", "the directory of the database",
                                       argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS"),
                                       env=(("MLFLOW_TRACKING_URI", "sqlite:////no/such/dir/mlflow.db"),)),
+    "mlflow-sqlite-not-a-database": Case(ENC, None, "MLFLOW_TRACKING_URI", "MLflow cannot open this store",
+                                         argv=("run", "-f", "FILE", "--artifacts", "ARTIFACTS"),
+                                         env=(("MLFLOW_TRACKING_URI", "sqlite:///ARENA/not-a-database.db"),)),
     "mlflow-server-dead": Case(ENC, None, "MLFLOW_TRACKING_URI", "the MLflow server does not answer (ConnectError)",
                                argv=("notify", "--retry", "-f", "FILE", "--artifacts", "ARTIFACTS"),
                                env=(("MLFLOW_TRACKING_URI", f"http://user:{TOKEN}@127.0.0.1:9"),)),
@@ -611,6 +614,7 @@ def arena(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (root / "models" / name).mkdir()
         (root / "models" / name / "config.json").write_bytes(raw)
     (root / "models" / "empty").mkdir()
+    (root / "not-a-database.db").write_bytes(b"these bytes are no SQLite database\n" * 200)
     data = root / "data"
     data.mkdir()
     (data / "eval.txt").write_text("\n".join(f"evaluation sentence {i}" for i in range(20)) + "\n")
@@ -690,7 +694,7 @@ def test_refused_before_any_work(name: str, arena: Path, monkeypatch: pytest.Mon
     monkeypatch.delenv("SMELTER_HOSTILE_SECRET", raising=False)
     monkeypatch.setenv("HOME", str(arena.parent))
     for variable, value in case.env:
-        monkeypatch.setenv(variable, value)
+        monkeypatch.setenv(variable, value.replace("ARENA", str(arena)))
     path = arena / f"{name}.yaml"
     _write(case, path, arena)
     code = main(_argv(case, path, arena, name))

@@ -16,7 +16,8 @@ import pytest
 
 from tasks.killpoints import POINTS
 from tests.fixtures.cli_runs import (MODEL, PIPELINE, CliSetup, assert_artifacts_intact, assert_registry_sound,
-                                     cli_setup, copy_artifacts, deliveries, fresh_store, run_cli, run_statuses, summary)
+                                     cli_setup, copy_artifacts, deliveries, fresh_store, prefect_server_processes,
+                                     run_cli, run_statuses, summary)
 
 pytestmark = pytest.mark.slow
 __all__ = ["cli_setup"]  # the module-scoped fixture these tests share
@@ -81,22 +82,6 @@ def test_a_run_stopped_by_ctrl_c_or_sigterm_ends_cleanly_and_the_next_completes(
     assert len(deliveries(cli_setup.receiver)) == 1
 
 
-def _server_processes(prefect_home: Path) -> list[int]:
-    """Prefect API servers started for runs with this PREFECT_HOME (read from each process's environment)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if b"prefect.server.api.server:create_app" in cmdline and f"PREFECT_HOME={prefect_home}".encode() in environ:
-            found.append(int(entry.name))
-    return found
-
-
 def test_the_temporary_prefect_server_dies_with_a_killed_run(cli_setup: CliSetup, tmp_path: Path) -> None:
     """Without PREFECT_API_URL the CLI starts its own server; a SIGKILLed run must not leave it running."""
     home = tmp_path / "prefect-home"
@@ -106,6 +91,6 @@ def test_the_temporary_prefect_server_dies_with_a_killed_run(cli_setup: CliSetup
                      kill_at="run.started", extra_env=env)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     deadline = time.monotonic() + 10
-    while _server_processes(home) and time.monotonic() < deadline:
+    while prefect_server_processes(home) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _server_processes(home) == [], "the run's temporary Prefect server outlived it"
+    assert prefect_server_processes(home) == [], "the run's temporary Prefect server outlived it"

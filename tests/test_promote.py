@@ -3,6 +3,7 @@ one, moved only by a new promotion, and never left half-moved when a step fails.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import uuid
@@ -75,6 +76,31 @@ def test_best_passing_candidate_gets_alias_and_rejected_ones_are_never_registere
     assert (engine / "model.onnx").read_bytes() == fast.stages["build"].file("model.onnx").read_bytes()
     champion = tracking.champion(spec, "cpu")
     assert (champion.run_id, champion.version, champion.build_key) == (fast.run_id, fast.model_version, fast.cache_key)
+
+
+def test_an_engine_rejected_before_and_passing_now_is_uploaded_to_the_run_that_registers_it(tmp_path: Path) -> None:
+    """Its later runs uploaded nothing (the files were in MLflow already); the one registered gets its own copy."""
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path / "artifacts")
+    rejected = candidate_outcome(store, spec, "int8", "cpu", throughput=500.0, passed=False)
+    rejected.stages["build"] = dataclasses.replace(rejected.stages["build"], cached=True)
+    promote(spec, _logged(spec, [rejected]))
+    first_run = rejected.run_id
+    passing = candidate_outcome(store, spec, "int8", "cpu", throughput=500.0)
+    passing.stages["build"] = dataclasses.replace(passing.stages["build"], cached=True)
+    assert passing.cache_key == rejected.cache_key
+    logged = _logged(spec, [passing])
+    assert tracking.engine_source(passing.run_id) == f"runs:/{first_run}/engine", "nothing uploaded while judged"
+    promote(spec, logged)
+
+    assert passing.status == "promoted" and passing.run_id != first_run
+    version = MlflowClient().get_model_version(f"{spec.name}-cpu", passing.model_version)
+    assert version.run_id == passing.run_id and version.source == f"runs:/{passing.run_id}/engine"
+    assert tracking.engine_source(passing.run_id) == version.source
+    files = {a.path for a in MlflowClient().list_artifacts(passing.run_id, "engine")}
+    assert "engine/model.onnx" in files and files == {a.path for a in MlflowClient().list_artifacts(first_run, "engine")}
+    engine = Path(mlflow.artifacts.download_artifacts(f"models:/{spec.name}-cpu@champion", dst_path=str(tmp_path / "dl")))
+    assert (engine / "model.onnx").read_bytes() == passing.stages["build"].file("model.onnx").read_bytes()
 
 
 def test_latency_objective_promotes_the_lowest_p99(tmp_path: Path) -> None:

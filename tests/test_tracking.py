@@ -3,6 +3,7 @@ the same metric names every time, the engine and reports downloadable, failures 
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import uuid
 from pathlib import Path
@@ -111,6 +112,35 @@ def test_rejected_and_failed_candidates_are_logged_with_reasons(tmp_path: Path) 
     files = _artifact_files(client, failed_id)
     assert "stages/validate/report.json" in files and not any(f.startswith("engine/") for f in files)
     assert "invalid graph" in mlflow.artifacts.load_text(f"runs:/{failed_id}/engine_card.md")
+
+
+def test_a_cached_engine_already_uploaded_by_an_earlier_run_is_not_uploaded_again(tmp_path: Path) -> None:
+    """A rejected engine is re-judged every night: its files go to MLflow once, later runs name that copy."""
+    spec = pipeline_spec(_unique("track"))
+    first = candidate_outcome(ArtifactStore(tmp_path), spec, "fp32", "cpu", throughput=100.0, passed=False)
+    first.stages["build"] = dataclasses.replace(first.stages["build"], cached=True)
+    runs = []
+    for _ in range(3):
+        with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
+            runs.append(tracking.log_candidate(parent_id, spec, first))
+    client = MlflowClient()
+    assert any(f.startswith("engine/") for f in _artifact_files(client, runs[0]))
+    for later in runs[1:]:
+        assert not any(f.startswith("engine/") for f in _artifact_files(client, later)), "uploaded again"
+        assert tracking.engine_source(later) == f"runs:/{runs[0]}/engine"
+        assert client.get_run(later).data.tags["engine_sha256"] == client.get_run(runs[0]).data.tags["engine_sha256"]
+    first.run_id = runs[2]
+    first.stages["build"] = dataclasses.replace(first.stages["build"], path=tmp_path / "not-on-this-host")
+    fetched = tracking.engine_dir(first, tmp_path / "fetched")
+    assert (fetched / "model.onnx").read_bytes() == (tmp_path / spec.name / "build" / first.cache_key /
+                                                     "model.onnx").read_bytes()
+
+    other = candidate_outcome(ArtifactStore(tmp_path), spec, "fp32", "cpu", throughput=100.0, passed=False,
+                              variant="rebuilt")
+    other.stages["build"] = dataclasses.replace(other.stages["build"], cached=True)
+    with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
+        rebuilt = tracking.log_candidate(parent_id, spec, other)
+    assert any(f.startswith("engine/") for f in _artifact_files(client, rebuilt)), "another engine is uploaded"
 
 
 def test_pipeline_run_is_marked_failed_when_the_flow_raises() -> None:
