@@ -306,15 +306,12 @@ def _fp8_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> li
         return []
     from types import SimpleNamespace
 
-    from tasks.backends.llama_graphs import fp8_unsupported
+    from tasks.backends.llama_support import fp8_unsupported
 
-    if not spec.model.is_decoder:
-        problem = f"fp8 is built for Llama-family decoders only; model.task is {spec.model.task}"
-    else:
-        try:
-            problem = fp8_unsupported(SimpleNamespace(**{"num_key_value_heads": None, **config}))
-        except (AttributeError, TypeError, ZeroDivisionError) as e:
-            problem = f"fp8 needs a Llama-family config with its sizes; this one lacks them ({clip(str(e))})"
+    try:
+        problem = fp8_unsupported(SimpleNamespace(**{"num_key_value_heads": None, **config}), spec.model.is_decoder)
+    except (AttributeError, TypeError, ZeroDivisionError) as e:
+        problem = f"fp8 needs a Llama-family config with its sizes; this one lacks them ({clip(str(e))})"
     return [(("precisions", spec.precisions.index("fp8")), f"{problem} ({source})")] if problem else []
 
 

@@ -14,7 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.inductor import (DecodeSession, EngineMismatch, InductorBackend, export_decode, export_prefill,
                                      load_problem, versions, warm_shapes)
-from tasks.backends.llama_graphs import LlamaPrefill, StaticDecoder, empty_cache, fp8_unsupported
+from tasks.backends.llama_graphs import LlamaPrefill, StaticDecoder, empty_cache
+from tasks.backends.llama_support import fp8_unsupported
 from tasks.backends.table import BACKENDS
 from tasks.gpu import GpuInfo
 from tasks.spec import InductorTarget, ProfileSpec

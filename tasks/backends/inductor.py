@@ -115,10 +115,11 @@ def _exportable_masks(model: torch.nn.Module) -> None:
 
 def prefill_graph(model: torch.nn.Module, causal: bool, fp8: bool) -> torch.nn.Module:
     """smelter's own graph for Llama-family decoders (the only one built in fp8), else the HF forward."""
-    from tasks.backends.llama_graphs import LlamaPrefill, fp8_unsupported, unsupported
+    from tasks.backends.llama_graphs import LlamaPrefill
+    from tasks.backends.llama_support import fp8_unsupported, unsupported
 
     if fp8:
-        problem = fp8_unsupported(model.config) if causal else "fp8 is built for Llama-family decoders only"
+        problem = fp8_unsupported(model.config, decoder=causal)
         if problem:
             raise BackendUnavailable(problem)
     if causal and unsupported(model.config) is None:
@@ -361,7 +362,7 @@ class InductorBackend(Backend):
             problem = problem or f"inductor builds {', '.join(DTYPES)} here; {precision} is not built yet"
         if problem:
             raise BackendUnavailable(problem)
-        from tasks.backends.llama_graphs import unsupported
+        from tasks.backends.llama_support import unsupported
 
         dtype, device = DTYPES[precision], target.device
         causal = task in CAUSAL_TASKS

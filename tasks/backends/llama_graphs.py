@@ -28,37 +28,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from tasks.backends.llama_support import fp8_unsupported, unsupported
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-
-
-def unsupported(config: Any) -> str | None:
-    """Why this model has no Llama-family graphs here, or None."""
-    archs = getattr(config, "architectures", None) or []
-    if not any(a in ARCHITECTURES for a in archs):
-        return f"the Llama-family graphs support {', '.join(ARCHITECTURES)}; this model is {archs or 'unnamed'}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"the Llama-family graphs support hidden_act silu, not {config.hidden_act}"
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if window and window < getattr(config, "max_position_embeddings", 0):
-        return (f"the Llama-family graphs attend to the whole context; this model's sliding window of {window} "
-                f"tokens would give other results past it")
-    return None
-
-
-def fp8_unsupported(config: Any) -> str | None:
-    """Why this model's products cannot run in fp8 here (torch._scaled_mm needs dimensions divisible by 16)."""
-    problem = unsupported(config)
-    if problem:
-        return f"fp8 is built for Llama-family decoders only: {problem}"
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = config.num_key_value_heads or heads
-    sizes = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-             "num_attention_heads * head_dim": heads * head_dim, "num_key_value_heads * head_dim": kv_heads * head_dim}
-    odd = [f"{name} = {value}" for name, value in sizes.items() if value % 16]
-    return f"fp8 products need sizes divisible by 16; this model has {', '.join(odd)}" if odd else None
 
 
 class _Linear(nn.Module):
