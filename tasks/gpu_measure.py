@@ -9,6 +9,7 @@ fraction of the bound says how far an engine is from what this GPU does today.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,3 +131,44 @@ def bound_ms(flops: float, tflops: float) -> float:
 def bytes_bound_ms(nbytes: float, tb_per_s: float) -> float:
     """Memory floor in ms at `tb_per_s` (bytes read once)."""
     return nbytes / (tb_per_s * 1e9)
+
+
+def kernel_profile(fn: Callable[[], Any], calls: int = 5, top: int = 12) -> list[dict[str, Any]]:
+    """Where the device time of `fn` goes: its `top` kernels by device time per call (torch.profiler),
+    each with its share of the total. Says which kernels an engine is short of its bound in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+    total = sum(e.device_time_total for e in kernels) or 1.0
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [{"kernel": e.key[:120], "ms_per_call": round(e.device_time_total / calls / 1e3, 4),
+             "launches_per_call": round(e.count / calls, 1), "share": round(e.device_time_total / total, 3)}
+            for e in kernels[:top]] + [{"kernel": "(all kernels)", "ms_per_call": round(total / calls / 1e3, 4)}]
+
+
+def logit_agreement(reference: Sequence[torch.Tensor], candidate: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """How closely candidate next-token logits follow the reference's ([positions, vocab] each).
+
+    Top-1 agreement alone misleads on random weights, whose best two logits are near-ties: the
+    reference's own top-1 margin, in the same units as the candidate's error, says how many
+    positions any precision could flip. Relative error is over all logits of all positions."""
+    ref = torch.cat([r.float().reshape(-1, r.shape[-1]) for r in reference])
+    got = torch.cat([c.float().reshape(-1, c.shape[-1]) for c in candidate])
+    if ref.shape != got.shape:
+        raise ValueError(f"reference logits {tuple(ref.shape)} and candidate logits {tuple(got.shape)} differ in shape")
+    best2 = ref.topk(2, dim=-1).values
+    margin = best2[:, 0] - best2[:, 1]
+    error = (got - ref).abs()
+    return {"positions": ref.shape[0],
+            "top1": round(float((ref.argmax(-1) == got.argmax(-1)).float().mean()), 4),
+            "relative_error": round(float((got - ref).norm() / ref.norm().clamp(min=1e-30)), 5),
+            "reference_margin_median": round(float(margin.quantile(0.5)), 4),
+            "reference_logit_std": round(float(ref.std()), 4),
+            "error_median": round(float(error.median()), 5),
+            "error_p99": round(float(error.flatten().kthvalue(max(1, math.ceil(0.99 * error.numel()))).values), 5)}

@@ -44,3 +44,16 @@ def test_bert_base_encoder_flops() -> None:
     flops = gm.encoder_flops(BertConfig(), 8, 512)
     linear = 12 * 2 * 4096 * (4 * 768 * 768 + 2 * 768 * 3072)
     assert flops == linear + 12 * 4 * 8 * 512 * 512 * 768
+
+
+def test_logit_agreement_counts_flipped_choices_and_says_how_close_the_reference_was() -> None:
+    reference = torch.tensor([[3.0, 1.0, 0.0], [1.0, 0.9, 0.0], [0.0, 0.0, 5.0], [2.0, 0.0, 1.0]])
+    candidate = reference.clone()
+    candidate[1] = torch.tensor([0.9, 1.0, 0.0])  # the near-tie flips
+    got = gm.logit_agreement([reference[:2], reference[2:]], [candidate[:2], candidate[2:]])
+    assert got["positions"] == 4 and got["top1"] == 0.75
+    assert got["reference_margin_median"] == pytest.approx(1.5)  # margins 2, 0.1, 5, 1
+    assert got["relative_error"] == pytest.approx(float(torch.tensor(0.1 * 2 ** 0.5) / reference.norm()), rel=1e-3)
+    assert gm.logit_agreement([reference], [reference])["top1"] == 1.0
+    with pytest.raises(ValueError, match=r"reference logits \(4, 3\) and candidate logits \(4, 2\) differ"):
+        gm.logit_agreement([reference], [reference[:, :2]])

@@ -109,7 +109,7 @@ def test_the_prefill_graph_gives_each_rows_next_token_after_its_last_real_token(
     mask[2, 1:] = 0
     expected = llama(ids, attention_mask=mask).logits[torch.arange(3), mask.sum(1) - 1]
     program = export_prefill(llama, causal=True, batch=2, seq=8)
-    torch.testing.assert_close(program.module()(input_ids=ids, attention_mask=mask), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(program.module()(ids, mask), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(LlamaPrefill(llama)(ids, mask), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -118,7 +118,7 @@ def test_fp8_prefill_stays_close_to_the_model(llama: LlamaForCausalLM) -> None:
     ids = torch.randint(0, 256, (4, 16))
     mask = torch.ones_like(ids)
     expected = llama(ids).logits[:, -1]
-    got = export_prefill(llama, causal=True, batch=2, seq=8, fp8=True).module()(input_ids=ids, attention_mask=mask)
+    got = export_prefill(llama, causal=True, batch=2, seq=8, fp8=True).module()(ids, mask)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
     assert cosine.min() > 0.99, cosine
@@ -157,3 +157,45 @@ def test_aoti_package_builds_and_loads_on_the_cpu(llama: LlamaForCausalLM, tmp_p
     left_padded[0, :3] = 0
     with pytest.raises(ValueError, match="right-padded prompts .* a 1 after a 0"):
         runner.infer({"input_ids": ids, "attention_mask": left_padded})
+
+
+def test_a_compiled_engine_stores_its_weights_once_and_reloads_on_the_cpu(llama: LlamaForCausalLM,
+                                                                           tmp_path: Path) -> None:
+    """Format compiled: both graphs hold no weights, weights.safetensors holds each tensor once
+    (tied embeddings and the weights both graphs share), and a reload in a fresh runner computes
+    the HF model in the prefill and token by token in the decode step."""
+    model_dir = tmp_path / "model"
+    llama.save_pretrained(model_dir)
+    target = InductorTarget(name="cpu-pt", backend="inductor", device="cpu", compile_mode="default")
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    backend = InductorBackend()
+    facts = backend.build_from_model(model_dir, "text-generation", "fp32", target,
+                                     [ProfileSpec(batch=[1, 2, 2], seq=[1, 4, 4], past=[0, 4, 8])], engine)
+    weights = json.loads((engine / "engine.json").read_text())["weights"]
+    matrices = sum(p.numel() * 4 for name, p in llama.named_parameters() if "norm" not in name)
+    assert weights["tensors_stored"] == weights["names"] // 2 - 1, "one graph's tensors, less the tied LM head"
+    assert matrices < weights["bytes"] < 1.05 * matrices, "each weight stored once, tied embeddings too"
+    for graph in ("prefill.pt2", "decode.pt2"):
+        program = torch.export.load(str(engine / graph))
+        assert not program.state_dict and not program.constants, f"{graph} holds no weights"
+    assert facts["engine_bytes"] == sum((engine / f).stat().st_size
+                                        for f in ("prefill.pt2", "decode.pt2", "weights.safetensors"))
+    torch.compiler.reset()
+    runner = backend.load(engine, target)
+    ids = torch.randint(0, 256, (2, 6))
+    with torch.no_grad():
+        expected = llama(ids).logits
+    got = runner.infer({"input_ids": ids.numpy(), "attention_mask": np.ones((2, 6), dtype=np.int64)})["logits"]
+    np.testing.assert_allclose(got, expected[:, -1].numpy(), rtol=1e-4, atol=1e-4)
+    session = runner.decoder(2, 8)
+    steps = torch.stack([session.step(ids[:, i:i + 1], i) for i in range(6)], dim=1)
+    torch.testing.assert_close(steps, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_compiled_engine_from_before_shared_weights_is_refused_with_the_remedy(tmp_path: Path) -> None:
+    (tmp_path / "engine.json").write_text(json.dumps({"format": "compiled", "precision": "fp32", "causal": True,
+                                                      "gpu": None, "versions": versions()}))
+    target = InductorTarget(name="cpu-pt", backend="inductor", device="cpu")
+    with pytest.raises(EngineMismatch, match="has no weights.safetensors: .* rebuild it"):
+        InductorBackend().load(tmp_path, target)

@@ -83,3 +83,28 @@ def test_ceilings_are_measured_on_random_data() -> None:
     copy = gpu_measure.copy_bandwidth(nbytes=256 << 20, repeats=5)
     print(f"bf16 GEMM 4096^3: {gemm['tflops']} TFLOP/s; copy 256 MiB: {copy['tb_per_s']} TB/s")
     assert gemm["tflops"] > 1 and copy["tb_per_s"] > 0.05
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    kernels = gpu_measure.kernel_profile(lambda: torch.relu(a @ a), calls=3)
+    print(f"kernels of relu(a @ a): {kernels}")
+    assert len(kernels) >= 3 and kernels[-1]["kernel"] == "(all kernels)"
+    assert sum(k.get("share", 0) for k in kernels[:-1]) == pytest.approx(1.0, abs=0.01)
+
+
+def test_fp8_engine_builds_and_stays_near_fp32(llama_dir: Path, tmp_path: Path) -> None:
+    """e4m3 products through torch._scaled_mm on the GPU (compute capability 8.9 or more), bf16 elsewhere."""
+    from transformers import AutoModelForCausalLM
+
+    gpu = detect_gpu()
+    if gpu.compute_capability < (8, 9):
+        pytest.skip(f"fp8 products need compute capability 8.9 or more; this GPU has {gpu.cc}")
+    target = InductorTarget(name="gpu", backend="inductor", device="cuda", arch=gpu.arch, compile_mode="default")
+    InductorBackend().build_from_model(llama_dir, "text-generation", "fp8", target,
+                                       [ProfileSpec(batch=[1, 4, 4], seq=[1, 8, 8])], tmp_path)
+    runner = InductorBackend().load(tmp_path, target)
+    ids = torch.randint(0, 512, (4, 8), device="cuda")
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(llama_dir).cuda().eval()(input_ids=ids).logits[:, -1]
+    got = runner.prefill(ids, torch.ones_like(ids)).float()
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
+    print(f"fp8 engine vs fp32: cosine min {float(cosine.min()):.4f}")
+    assert cosine.min() > 0.98

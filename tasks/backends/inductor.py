@@ -7,9 +7,11 @@ An engine directory holds:
   other models the HF forward;
 - `decode.pt2` (Llama-family decoders, format `compiled`): one decode step over a static KV cache
   (tasks/backends/llama_graphs.py), replayed with CUDA graphs on a GPU;
-- format `compiled`: those are exported programs, and `compile_cache.bin` holds Inductor's compile
-  artifacts (torch.compiler.save_cache_artifacts), so loading compiles from the cache instead of
-  autotuning again. This is the format that runs where AOTInductor's loader does not;
+- format `compiled`: those are exported programs that take their weights as their first input,
+  `weights.safetensors` holds the weights once for both (tasks/backends/graph_weights.py), and
+  `compile_cache.bin` holds Inductor's compile artifacts (torch.compiler.save_cache_artifacts), so
+  loading compiles from the cache instead of autotuning again. This is the format that runs where
+  AOTInductor's loader does not;
 - format `aoti`: `prefill.pt2` is an AOTInductor package, loaded without compiling;
 - `engine.json`: what the engine is tied to (GPU, driver, torch/CUDA/Triton versions) and what
   building it cost (export and compile seconds, cache bytes).
@@ -22,18 +24,21 @@ from __future__ import annotations
 import json
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from tasks.backends import graph_weights
 from tasks.backends.base import Backend, BackendUnavailable, Runner
 from tasks.gpu import GpuInfo, detect_gpu
 from tasks.spec import InductorTarget, ProfileSpec, TargetSpec
 
 PREFILL = "prefill.pt2"
 DECODE = "decode.pt2"
+WEIGHTS = "weights.safetensors"
 COMPILE_CACHE = "compile_cache.bin"
 SIDECAR = "engine.json"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -128,20 +133,44 @@ def prefill_graph(model: torch.nn.Module, causal: bool, fp8: bool) -> torch.nn.M
     return PrefillGraph(model, causal)
 
 
-def export_prefill(model: torch.nn.Module, causal: bool, batch: int, seq: int,
-                   fp8: bool = False) -> torch.export.ExportedProgram:
-    """Export with batch and sequence dynamic (Dim.AUTO: named ranges hit guards Llama's attention adds)."""
+@dataclass
+class Exported:
+    """An exported graph. `weights` is None when the program holds its weights, else the weights it
+    takes as its first input (graph_weights), which a saved engine stores once for all its graphs."""
+
+    program: torch.export.ExportedProgram
+    weights: dict[str, torch.Tensor] | None = None
+
+    def module(self) -> torch.nn.Module:
+        """The program as a module called on the graph's own inputs."""
+        graph = self.program.module()
+        return graph_weights.Bound(graph, self.weights) if self.weights is not None else graph
+
+
+def _export(graph: torch.nn.Module, inputs: tuple[Any, ...], dynamic: tuple[Any, ...],
+            weights_as_input: bool) -> Exported:
+    with torch.no_grad():
+        if not weights_as_input:
+            return Exported(torch.export.export(graph, inputs, dynamic_shapes=dynamic, strict=False))
+        weights = graph_weights.weights_of(graph)
+        program = torch.export.export(graph_weights.WeightsAsInput(graph), (weights, *inputs),
+                                      dynamic_shapes=(dict.fromkeys(weights), dynamic), strict=False)
+    program.example_inputs = None  # they hold the weights, which a saved program must not
+    return Exported(program, weights)
+
+
+def export_prefill(model: torch.nn.Module, causal: bool, batch: int, seq: int, fp8: bool = False,
+                   weights_as_input: bool = False) -> Exported:
+    """Export (input_ids, attention_mask) -> output with batch and sequence dynamic (Dim.AUTO: named
+    ranges hit guards Llama's attention adds)."""
     graph = prefill_graph(model, causal, fp8)
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
-    with torch.no_grad():
-        feeds = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        return torch.export.export(graph, (), feeds,
-                                   dynamic_shapes={"input_ids": auto, "attention_mask": auto}, strict=False)
+    return _export(graph, (ids, torch.ones_like(ids)), (auto, auto), weights_as_input)
 
 
-def export_decode(model: torch.nn.Module, dtype: torch.dtype) -> torch.export.ExportedProgram:
+def export_decode(model: torch.nn.Module, dtype: torch.dtype, weights_as_input: bool = False) -> Exported:
     """Export the static-cache decode step, dynamic in batch and cache length."""
     from tasks.backends.llama_graphs import StaticDecoder, empty_cache
 
@@ -151,9 +180,8 @@ def export_decode(model: torch.nn.Module, dtype: torch.dtype) -> torch.export.Ex
     tokens = torch.zeros(2, 1, dtype=torch.long, device=device)
     auto = torch.export.Dim.AUTO
     cache_dims = [{0: auto, 2: auto} for _ in k]
-    with torch.no_grad():
-        return torch.export.export(step, (tokens, torch.tensor(3, device=device), k, v),
-                                   dynamic_shapes=({0: auto}, None, cache_dims, cache_dims), strict=False)
+    return _export(step, (tokens, torch.tensor(3, device=device), k, v), ({0: auto}, None, cache_dims, cache_dims),
+                   weights_as_input)
 
 
 def _compile_options(target: InductorTarget, decode: bool) -> dict[str, Any]:
@@ -224,9 +252,14 @@ class InductorRunner(Runner):
             cache = engine_dir / COMPILE_CACHE
             if cache.is_file():
                 torch.compiler.load_cache_artifacts(cache.read_bytes())
-            prefill = torch.export.load(str(engine_dir / PREFILL)).module()
+            if not (engine_dir / WEIGHTS).is_file():
+                raise EngineMismatch(f"inductor engine {engine_dir} has no {WEIGHTS}: it was built before its graphs "
+                                     "shared one copy of their weights; rebuild it")
+            weights = graph_weights.load(engine_dir / WEIGHTS, self.device)
+            prefill = graph_weights.Bound(torch.export.load(str(engine_dir / PREFILL)).module(), weights["prefill"])
             self._prefill = torch.compile(prefill, options=_compile_options(target, decode=False))
-            self._decode_graph = (torch.export.load(str(engine_dir / DECODE)).module()
+            self._decode_graph = (graph_weights.Bound(torch.export.load(str(engine_dir / DECODE)).module(),
+                                                      weights["decode"])
                                   if (engine_dir / DECODE).is_file() else None)
         self.load_seconds = time.perf_counter() - started
         self._config = _Config(sidecar["decoder_config"]) if sidecar.get("decoder_config") else None
@@ -234,7 +267,7 @@ class InductorRunner(Runner):
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Device-resident in and out: what the benchmark times."""
         with torch.no_grad():
-            return self._prefill(input_ids=input_ids, attention_mask=attention_mask)
+            return self._prefill(input_ids, attention_mask)
 
     def _device_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         missing = [n for n in self.input_names if n not in feeds]
@@ -370,9 +403,11 @@ class InductorBackend(Backend):
         model = _load_model(model_dir, task, dtype, device)
         prefill_shapes, decode_shapes = warm_shapes(profiles)
         batch, seq = max(prefill_shapes)
-        prefill_program = export_prefill(model, causal, max(batch, 2), max(seq, 2), fp8=precision == "fp8")
-        has_decode = causal and target.format == "compiled" and unsupported(model.config) is None
-        decode_program = export_decode(model, dtype) if has_decode else None
+        compiled = target.format == "compiled"
+        prefill = export_prefill(model, causal, max(batch, 2), max(seq, 2), fp8=precision == "fp8",
+                                 weights_as_input=compiled)
+        has_decode = causal and compiled and unsupported(model.config) is None
+        decode = export_decode(model, dtype, weights_as_input=True) if has_decode else None
         export_seconds = time.perf_counter() - started
         gpu = detect_gpu() if device == "cuda" else None
         sidecar: dict[str, Any] = {
@@ -382,14 +417,17 @@ class InductorBackend(Backend):
             "decoder_config": _decoder_config(model.config) if has_decode else None,
             "warm_shapes": {"prefill": prefill_shapes, "decode": decode_shapes if has_decode else []}}
         compile_started = time.perf_counter()
-        if target.format == "aoti":
-            torch._inductor.aoti_compile_and_package(prefill_program, package_path=str(out_dir / PREFILL))
+        if not compiled:
+            torch._inductor.aoti_compile_and_package(prefill.program, package_path=str(out_dir / PREFILL))
             cache_bytes = 0
         else:
-            torch.export.save(prefill_program, str(out_dir / PREFILL))
-            if decode_program is not None:
-                torch.export.save(decode_program, str(out_dir / DECODE))
-            del model, prefill_program, decode_program
+            torch.export.save(prefill.program, str(out_dir / PREFILL))
+            graphs = {"prefill": prefill.weights}
+            if decode is not None:
+                torch.export.save(decode.program, str(out_dir / DECODE))
+                graphs["decode"] = decode.weights
+            sidecar["weights"] = graph_weights.save(graphs, out_dir / WEIGHTS)
+            del model, prefill, decode, graphs
             torch.compiler.reset()
             runner = InductorRunner(out_dir, target, sidecar)
             warm_up(runner, prefill_shapes, decode_shapes if has_decode else [], self._vocab(model_dir))
@@ -401,7 +439,7 @@ class InductorBackend(Backend):
         sidecar.update({"export_seconds": round(export_seconds, 3),
                         "compile_seconds": round(time.perf_counter() - compile_started, 3),
                         "cache_bytes": cache_bytes})
-        engine_bytes = sum((out_dir / f).stat().st_size for f in (PREFILL, DECODE) if (out_dir / f).is_file())
+        engine_bytes = sum((out_dir / f).stat().st_size for f in (PREFILL, DECODE, WEIGHTS) if (out_dir / f).is_file())
         sidecar["engine_bytes"] = engine_bytes
         (out_dir / SIDECAR).write_text(json.dumps(sidecar, indent=2))
         return {"backend": self.name, "backend_version": self.version(), "engine_file": PREFILL,
