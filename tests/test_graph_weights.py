@@ -41,3 +41,9 @@ def test_a_bound_graph_runs_on_the_weights_it_holds() -> None:
     other = {"weight": torch.ones(3, 4), "bias": torch.zeros(3)}
     x = torch.randn(2, 4)
     torch.testing.assert_close(graph_weights.Bound(program.module(), other)(x), x.sum(-1, keepdim=True).expand(2, 3))
+
+
+def test_the_weights_file_gets_the_mode_the_umask_gives_other_files(tmp_path: Path) -> None:
+    graph_weights.save({"g": {"w": torch.zeros(2)}}, tmp_path / "w.safetensors")
+    (tmp_path / "other").write_text("")
+    assert (tmp_path / "w.safetensors").stat().st_mode == (tmp_path / "other").stat().st_mode

@@ -17,6 +17,7 @@ replay needs and which the graphs share.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,20 @@ def save(graphs: dict[str, dict[str, torch.Tensor]], path: Path) -> dict[str, in
             by_name.setdefault(name, key)
             index[graph][name] = key
     save_file(stored, str(path), metadata={INDEX_KEY: json.dumps(index)})
+    os.chmod(path, 0o666 & ~_umask())  # safetensors creates it 0600; the engine's other files follow the umask
     return {"tensors_stored": len(stored), "names": sum(len(names) for names in index.values()),
             "bytes": sum(t.numel() * t.element_size() for t in stored.values())}
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask would change it for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def load(path: Path, device: str) -> dict[str, dict[str, torch.Tensor]]:
