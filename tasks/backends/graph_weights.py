@@ -2,7 +2,8 @@
 
 A decoder engine holds two graphs over the same weights (prefill and decode step). Exported with
 their weights inside, each `.pt2` carried all of them, and loading an engine read and deserialized
-them twice: on the H200 that was most of a warm start. Here the graphs are exported with their
+them twice (on the H200, loading a Llama-3.2-1B engine took 22 s; 11.5 s with one copy). Here the
+graphs are exported with their
 weights as their first input, and the weights are stored once, in one safetensors file:
 - a tensor two graphs hold with equal values (or one graph under two names, as tied embeddings)
   is stored once;
@@ -10,7 +11,7 @@ weights as their first input, and the weights are stored once, in one safetensor
   the decode step's bf16 ones) is stored under `<graph>/<name>`;
 - the file's metadata maps each graph's names to the stored tensors.
 
-At load, `bind` gives each graph its weights as buffers at fixed addresses, which CUDA-graph
+At load, `Bound` gives each graph its weights as buffers at fixed addresses, which CUDA-graph
 replay needs and which the graphs share.
 """
 
