@@ -69,21 +69,30 @@ def timed(fn: Any, warmup: int, repeats: int) -> dict[str, Any]:
 def make_model(kind: str, config: dict[str, Any], directory: Path, train_steps: int = 0) -> dict[str, Any]:
     """Random weights from the config (a decoder then trained on text for `train_steps`), saved in
     bf16: the fp32 reference upcasts these same values."""
-    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+    from transformers import BertConfig, BertModel
 
-    torch.manual_seed(0)
-    facts: dict[str, Any] = {}
-    with torch.device("cuda"):
-        if kind == "decoder":
-            cfg = LlamaConfig(**config)
-            cfg.architectures = ["LlamaForCausalLM"]
-            model = LlamaForCausalLM(cfg)
-            if train_steps:
-                facts = train_on_text(model, train_steps)
-        else:
-            model = BertModel(BertConfig(**config))
-    model.to(torch.bfloat16).save_pretrained(directory)
+    if kind == "decoder":
+        _, model, facts = llama_on_gpu(config, train_steps)
+    else:
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model, facts = BertModel(BertConfig(**config)).to(torch.bfloat16), {}
+    model.save_pretrained(directory)
     return facts
+
+
+def llama_on_gpu(config: dict[str, Any], train_steps: int) -> tuple[Any, torch.nn.Module, dict[str, Any]]:
+    """The decoder of `config` on the GPU in bf16 (trained on text first for `train_steps`), its
+    config, and what training did."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**config)
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+        facts = train_on_text(model, train_steps) if train_steps else {}
+    return cfg, model.to(torch.bfloat16).eval(), facts
 
 
 def text_bytes(path: Path) -> torch.Tensor:
@@ -409,17 +418,10 @@ def decoder_summary(section: dict[str, Any], batch: int, seq: int, decode_batche
 def decode_step_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
     """The decode-step graph alone (the engine's own export and session code, no prefill build, no
     save): for checking a change to the step in a minute and a half instead of a full build."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from tasks.backends.inductor import DecodeSession, _compile_options, export_decode
 
-    config = QUICK_LLAMA if args.quick else LLAMA_32_1B
     past, max_len = 512, 528
-    cfg = LlamaConfig(**config)
-    cfg.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    cfg, model, _ = llama_on_gpu(QUICK_LLAMA if args.quick else LLAMA_32_1B, train_steps=0)
     shape = gm.DecoderShape.from_config(cfg)
     target = InductorTarget(name="sm90", backend="inductor", device="cuda", arch=detect_gpu().arch)
     step = export_decode(model, torch.bfloat16).module()
@@ -449,19 +451,10 @@ def prefill_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
     prefill in minutes instead of a full build."""
     import copy
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from tasks.backends.inductor import _compile_options, export_prefill
 
-    config = QUICK_LLAMA if args.quick else LLAMA_32_1B
     batch, seq = 8, 512
-    cfg = LlamaConfig(**config)
-    cfg.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg)
-        training = train_on_text(model, args.train_steps) if args.train_steps else {}
-    model = model.to(torch.bfloat16).eval()
+    cfg, model, training = llama_on_gpu(QUICK_LLAMA if args.quick else LLAMA_32_1B, args.train_steps)
     shape = gm.DecoderShape.from_config(cfg)
     bound = gm.bound_ms(shape.prefill_flops(batch, seq), ceilings["gemm_bf16"]["tflops"])
     section: dict[str, Any] = {"prefill_shape": [batch, seq], "bf16_bound_ms": round(bound, 3), "training": training,
