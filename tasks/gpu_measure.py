@@ -167,7 +167,7 @@ def logit_agreement(reference: Sequence[torch.Tensor], candidate: Sequence[torch
     error = (got - ref).abs()
     return {"positions": ref.shape[0],
             "top1": round(float((ref.argmax(-1) == got.argmax(-1)).float().mean()), 4),
-            "relative_error": round(float((got - ref).norm() / ref.norm().clamp(min=1e-30)), 5),
+            "relative_error": round(float(error.norm() / ref.norm().clamp(min=1e-30)), 5),
             "reference_margin_median": round(float(margin.quantile(0.5)), 4),
             "reference_logit_std": round(float(ref.std()), 4),
             "error_median": round(float(error.median()), 5),
