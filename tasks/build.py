@@ -37,7 +37,7 @@ def build_key(precision_result: StageResult, target: TargetSpec, backend: Backen
               profiles: list[ProfileSpec]) -> str:
     """Hash of the precision graph, the target and its profiles, the backend version, this machine."""
     upstream = {"precision": precision_result.key, "files": precision_result.content}
-    parts = _key_parts(target, backend, profiles, upstream)
+    parts = _key_parts(target, backend, profiles, upstream, None)
     return Work("", STAGE, parts, _code(target), _nothing).key
 
 
@@ -46,11 +46,11 @@ def _nothing(*_: Any) -> None:
 
 
 def _key_parts(target: TargetSpec, backend: Backend, profiles: list[ProfileSpec],
-               upstream: dict[str, Any]) -> dict[str, Any]:
-    """What an engine depends on beyond its source: the target's settings and profiles, the backend and its
-    version, and the machine facts it is tied to (CPU ISA, GPU compute capability)."""
+               upstream: dict[str, Any], precision: str | None) -> dict[str, Any]:
+    """What an engine depends on beyond its source: the target's settings for its precision and profiles,
+    the backend and its version, and the machine facts it is tied to (CPU ISA, GPU compute capability)."""
     torch_tools = BACKENDS[target.backend].source == "torch"
-    config = {"target": target.model_dump(mode="json"), "profiles": [p.model_dump(mode="json") for p in profiles]}
+    config = {"target": target.key_settings(precision), "profiles": [p.model_dump(mode="json") for p in profiles]}
     return {"upstream": upstream, "config": config,
             "tools": {backend.name: backend.version(), **tool_versions(*(TORCH_TOOLS if torch_tools else ("onnx",)))},
             "hardware": backend.hardware(target)}
@@ -104,7 +104,7 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
     else:
         upstream = {"precision": precision_result.key}
     files = {} if from_torch else {"files": precision_result.content}
-    parts = _key_parts(target, backend, profiles, upstream | files)
+    parts = _key_parts(target, backend, profiles, upstream | files, precision)
 
     def produce(w: StageWriter, _published: StageResult | None) -> None:
         started = time.perf_counter()

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from tasks.stats import wilson_interval
+
 
 def summary(samples: Sequence[float] | torch.Tensor) -> dict[str, float]:
     """Median and spread (p10, p90, min) of latency samples in ms; works on CPU lists and tensors."""
@@ -165,8 +167,10 @@ def logit_agreement(reference: Sequence[torch.Tensor], candidate: Sequence[torch
     best2 = ref.topk(2, dim=-1).values
     margin = best2[:, 0] - best2[:, 1]
     error = (got - ref).abs()
+    hits = int((ref.argmax(-1) == got.argmax(-1)).sum())
     return {"positions": ref.shape[0],
-            "top1": round(float((ref.argmax(-1) == got.argmax(-1)).float().mean()), 4),
+            "top1": round(hits / ref.shape[0], 4),
+            "top1_95": [round(bound, 4) for bound in wilson_interval(hits, ref.shape[0])],
             "relative_error": round(float(error.norm() / ref.norm().clamp(min=1e-30)), 5),
             "reference_margin_median": round(float(margin.quantile(0.5)), 4),
             "reference_logit_std": round(float(ref.std()), 4),

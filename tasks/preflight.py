@@ -306,13 +306,23 @@ def _fp8_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> li
         return []
     from types import SimpleNamespace
 
-    from tasks.backends.llama_support import fp8_unsupported
+    from tasks.backends.llama_support import fp8_kept, fp8_unsupported
 
     try:
         problem = fp8_unsupported(SimpleNamespace(**{"num_key_value_heads": None, **config}), spec.model.is_decoder)
     except (AttributeError, TypeError, ZeroDivisionError) as e:
         problem = f"fp8 needs a Llama-family config with its sizes; this one lacks them ({clip(str(e))})"
-    return [(("precisions", spec.precisions.index("fp8")), f"{problem} ({source})")] if problem else []
+    if problem:
+        return [(("precisions", spec.precisions.index("fp8")), f"{problem} ({source})")]
+    fp8_targets = {c.target for c in spec.candidates() if c.precision == "fp8"}
+    excluding = [(i, t.fp8_exclude) for i, t in enumerate(spec.targets)
+                 if t.name in fp8_targets and getattr(t, "fp8_exclude", None)]
+    layers = config.get("num_hidden_layers")
+    if excluding and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
+        return [(("targets", i, "fp8_exclude"), f"naming layers needs the model's num_hidden_layers; this config "
+                                               f"has {clip(repr(layers))} ({source})") for i, _ in excluding]
+    return [(("targets", i, "fp8_exclude", j), f"{why} ({source})")
+            for i, globs in excluding for j, why in fp8_kept(globs, layers)[1]]
 
 
 def max_positions(config: dict[str, Any]) -> tuple[str | None, int | None]:

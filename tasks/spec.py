@@ -344,6 +344,10 @@ class TargetSpec(_Strict):
         """`cpu` or `gpu`: where this target's engines run."""
         return BACKENDS[self.backend].devices[0]
 
+    def key_settings(self, precision: str | None) -> dict[str, Any]:
+        """The settings an engine of `precision` depends on (what its build key hashes)."""
+        return self.model_dump(mode="json")
+
     def precision_problem(self, precision: str) -> str | None:
         """Why this target cannot build `precision`, or None."""
         built = BACKENDS[self.backend].precisions
@@ -399,9 +403,13 @@ class InductorTarget(TargetSpec):
     arch: Arch | None = Field(None, description="GPU arch, required with device: cuda")
     format: Literal["compiled", "aoti"] = Field(
         "compiled", description="compiled: exported program + compile cache; aoti: an AOTInductor .pt2 package")
-    compile_mode: Literal["max-autotune-no-cudagraphs", "default", "reduce-overhead", "max-autotune"] = \
-        "max-autotune-no-cudagraphs"
+    compile_mode: Literal["max-autotune-no-cudagraphs", "default", "reduce-overhead", "max-autotune"] = Field(
+        "max-autotune-no-cudagraphs", description="the prefill's, as torch.compile reads it: max-autotune* autotune, "
+        "reduce-overhead and max-autotune replay CUDA graphs (device: cuda)")
     cuda_graphs: bool = Field(True, description="replay the decode step with CUDA graphs (device: cuda)")
+    fp8_exclude: list[Pattern] = Field(default_factory=list, max_length=MAX_PATTERNS,
+                                       description="an fp8 build's products kept in bf16: globs over "
+                                                   "layers.<i>.qkv|o|gate_up|down")
     threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="intra-op threads (device: cpu)")
 
     @model_validator(mode="before")
@@ -428,6 +436,10 @@ class InductorTarget(TargetSpec):
     @property
     def device_kind(self) -> str:
         return "gpu" if self.device == "cuda" else "cpu"
+
+    def key_settings(self, precision: str | None) -> dict[str, Any]:
+        """fp8_exclude shapes fp8 engines only: another precision's key leaves it out."""
+        return self.model_dump(mode="json", exclude=None if precision == "fp8" else {"fp8_exclude"})
 
     def precision_problem(self, precision: str) -> str | None:
         if precision == "fp8" and (self.device != "cuda" or arch_number(self.arch or "sm0") < 89):

@@ -107,3 +107,14 @@ def paired_ratio(slower: Sequence[float], faster: Sequence[float], confidence: f
     k = _interval_rank(n, confidence)
     return Ratio(ratio=float(math.exp(np.median(walsh))), low=float(math.exp(walsh[k - 1])),
                  high=float(math.exp(walsh[-k])), rounds=n)
+
+
+def wilson_interval(hits: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Wilson score interval of a proportion (hits of n): honest near 0 and 1, where the normal one is not."""
+    if n <= 0:
+        raise ValueError("a proportion needs at least one trial")
+    z = _normal_quantile(0.5 + confidence / 2)
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -52,6 +52,7 @@ def test_logit_agreement_counts_flipped_choices_and_says_how_close_the_reference
     candidate[1] = torch.tensor([0.9, 1.0, 0.0])  # the near-tie flips
     got = gm.logit_agreement([reference[:2], reference[2:]], [candidate[:2], candidate[2:]])
     assert got["positions"] == 4 and got["top1"] == 0.75
+    assert got["top1_95"][0] < 0.75 < got["top1_95"][1]  # 3 of 4 says little
     assert got["reference_margin_median"] == pytest.approx(1.5)  # margins 2, 0.1, 5, 1
     assert got["relative_error"] == pytest.approx(float(torch.tensor(0.1 * 2 ** 0.5) / reference.norm()), rel=1e-3)
     assert gm.logit_agreement([reference], [reference])["top1"] == 1.0

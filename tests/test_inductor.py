@@ -15,7 +15,7 @@ from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.inductor import (DecodeSession, EngineMismatch, InductorBackend, export_decode, export_prefill,
                                      load_problem, versions, warm_shapes)
 from tasks.backends.llama_graphs import LlamaPrefill, StaticDecoder, empty_cache
-from tasks.backends.llama_support import fp8_unsupported
+from tasks.backends.llama_support import fp8_unsupported, product_names
 from tasks.backends.table import BACKENDS
 from tasks.gpu import GpuInfo
 from tasks.spec import InductorTarget, ProfileSpec
@@ -125,6 +125,19 @@ def test_fp8_prefill_stays_close_to_the_model(llama: LlamaForCausalLM) -> None:
     assert not torch.equal(got, expected), "fp8 products give (slightly) other numbers than fp32"
     layer = LlamaPrefill(llama, fp8=True).layers[0]
     assert layer.qkv.weight.dtype == torch.float8_e4m3fn and layer.qkv.scale.shape == (1, 64 + 2 * 32)
+
+
+def test_fp8_keeps_the_products_it_is_told_to_in_the_models_dtype(llama: LlamaForCausalLM) -> None:
+    ids = torch.randint(0, 256, (2, 8))
+    mask = torch.ones_like(ids)
+    partly = LlamaPrefill(llama, fp8=True, kept=["layers.0.qkv", "layers.0.o", "layers.0.gate_up", "layers.0.down"])
+    first, second = partly.layers
+    assert first.qkv.weight.dtype == first.o.weight.dtype == first.gate_up.weight.dtype == torch.float32
+    assert second.qkv.weight.dtype == second.down.weight.dtype == torch.float8_e4m3fn
+    all_kept = LlamaPrefill(llama, fp8=True, kept=product_names(2))
+    torch.testing.assert_close(all_kept(ids, mask), LlamaPrefill(llama)(ids, mask), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"no such products \['layers.2.qkv'\]: this model's are layers.0-1"):
+        LlamaPrefill(llama, fp8=True, kept=["layers.2.qkv"])
 
 
 def test_fp8_is_refused_with_the_reason(llama: LlamaForCausalLM) -> None:

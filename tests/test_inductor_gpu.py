@@ -6,6 +6,8 @@ tiny Llama made here), so it also runs with `--noconftest` on a machine without 
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -59,16 +61,30 @@ def test_prefill_and_cuda_graph_decode_match_eager(built: tuple[Path, InductorTa
     got = runner.infer({"input_ids": ids.cpu().numpy(), "attention_mask": np.ones((4, 8), dtype=np.int64)})["logits"]
     np.testing.assert_allclose(got, expected[:, -1].cpu().numpy(), rtol=1e-3, atol=1e-3)
     session = runner.decoder(4, 32)
-    steps = torch.stack([session.step(ids[:, i:i + 1], i).clone() for i in range(8)], dim=1)
+    steps = torch.stack([session.step(ids[:, i:i + 1], i) for i in range(8)], dim=1)  # each kept past the next step
     error = float((steps - expected).norm() / expected.norm())
     print(f"decode vs eager relative error {error:.2e}")
     assert error < 1e-3
 
 
-def test_engine_refused_on_another_arch(built: tuple[Path, InductorTarget], tmp_path: Path) -> None:
-    import json
-    import shutil
+def test_a_prefill_replayed_with_cuda_graphs_keeps_each_result(llama_dir: Path, tmp_path: Path) -> None:
+    """compile_mode reduce-overhead records the prefill per shape; a result held across calls stays its own."""
+    from transformers import AutoModelForCausalLM
 
+    target = InductorTarget(name="gpu", backend="inductor", device="cuda", arch=detect_gpu().arch,
+                            compile_mode="reduce-overhead")
+    InductorBackend().build_from_model(llama_dir, "text-generation", "fp32", target,
+                                       [ProfileSpec(batch=[1, 4, 4], seq=[1, 8, 8])], tmp_path)
+    runner = InductorBackend().load(tmp_path, target)
+    reference = AutoModelForCausalLM.from_pretrained(llama_dir).cuda().eval()
+    prompts = [torch.randint(0, 512, (4, 8), device="cuda") for _ in range(4)]
+    held = [runner.prefill(p, torch.ones_like(p)) for p in prompts]  # the third and fourth are replays
+    with torch.no_grad():
+        for p, got in zip(prompts, held):
+            torch.testing.assert_close(got, reference(input_ids=p).logits[:, -1], rtol=1e-3, atol=1e-3)
+
+
+def test_engine_refused_on_another_arch(built: tuple[Path, InductorTarget], tmp_path: Path) -> None:
     engine, target = built
     engine = Path(shutil.copytree(engine, tmp_path / "engine"))
     sidecar = json.loads((engine / "engine.json").read_text())
@@ -97,9 +113,12 @@ def test_fp8_engine_builds_and_stays_near_fp32(llama_dir: Path, tmp_path: Path) 
     gpu = detect_gpu()
     if gpu.compute_capability < (8, 9):
         pytest.skip(f"fp8 products need compute capability 8.9 or more; this GPU has {gpu.cc}")
-    target = InductorTarget(name="gpu", backend="inductor", device="cuda", arch=gpu.arch, compile_mode="default")
+    target = InductorTarget(name="gpu", backend="inductor", device="cuda", arch=gpu.arch, compile_mode="default",
+                            fp8_exclude=["layers.1.*"])
     InductorBackend().build_from_model(llama_dir, "text-generation", "fp8", target,
                                        [ProfileSpec(batch=[1, 4, 4], seq=[1, 8, 8])], tmp_path)
+    kept = json.loads((tmp_path / "engine.json").read_text())["fp8_kept_bf16"]
+    assert kept == ["layers.1.qkv", "layers.1.o", "layers.1.gate_up", "layers.1.down"]
     runner = InductorBackend().load(tmp_path, target)
     ids = torch.randint(0, 512, (4, 8), device="cuda")
     with torch.no_grad():

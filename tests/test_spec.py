@@ -118,6 +118,21 @@ def test_each_backend_has_its_own_settings(workdir: Path) -> None:
     assert "workspace" not in h200.model_dump() and "device" not in sm90.model_dump()
 
 
+def test_fp8_exclude_names_products_of_this_model_and_keys_fp8_engines_only(workdir: Path) -> None:
+    text = llama_decoder(workdir, "[bf16, fp8]").replace(
+        "format: aoti}", "format: aoti, fp8_exclude: ['layers.0.*', 'layers.9.down', 'mlp.*']}")
+    config = json.loads((workdir / "model" / "config.json").read_text())
+    (workdir / "model" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    said = problems(write(workdir, text))
+    assert "pipelines.enc.targets.2.fp8_exclude.1" in said and "pipelines.enc.targets.2.fp8_exclude.2" in said
+    assert ("'layers.9.down' matches no product of this model; its 2 layers' products are "
+            "layers.<0-1>.qkv|o|gate_up|down") in said
+    assert "fp8_exclude.0" not in said
+    h200 = load(write(workdir, text.replace(", 'layers.9.down', 'mlp.*'", ""))).pipelines["enc"].targets[2]
+    assert h200.fp8_exclude == ["layers.0.*"]
+    assert h200.key_settings("fp8")["fp8_exclude"] == ["layers.0.*"] and "fp8_exclude" not in h200.key_settings("bf16")
+
+
 def test_candidates_exist_only_where_the_backend_builds_the_precision(workdir: Path) -> None:
     text = llama_decoder(workdir, "[fp32, bf16, int8, fp8]")
     enc = load(write(workdir, text)).pipelines["enc"]

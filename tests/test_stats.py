@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tasks.measure import Contender, measure_rounds
-from tasks.stats import _interval_rank, paired_ratio
+from tasks.stats import _interval_rank, paired_ratio, wilson_interval
 
 # Critical values of the Wilcoxon signed-rank test, two-sided 5% (published tables): the interval is
 # bounded by the (T + 1)-th smallest and largest Walsh averages.
@@ -112,3 +112,14 @@ def test_rounds_rotate_the_order_and_refuse_unknown_pairs() -> None:
     assert timed[:9] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     with pytest.raises(ValueError, match="not measured"):
         measure_rounds([named("a")], [("a", "z")], warmup=0, min_rounds=3, max_seconds=1, precision=0.1)
+
+
+def test_wilson_interval_matches_published_values_and_stays_inside_zero_and_one() -> None:
+    low, high = wilson_interval(0, 10)
+    assert low == pytest.approx(0.0, abs=1e-12) and high == pytest.approx(0.2775, abs=1e-4)
+    low, high = wilson_interval(10, 10)
+    assert low == pytest.approx(0.7225, abs=1e-4) and high == 1.0
+    low, high = wilson_interval(496, 512)
+    assert low < 0.97 < high  # 496 of 512 neither meets nor misses 0.97 with confidence
+    with pytest.raises(ValueError, match="at least one trial"):
+        wilson_interval(0, 0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,8 +119,9 @@ def _exportable_masks(model: torch.nn.Module) -> None:
     model.config._attn_implementation = "sdpa_without_vmap"
 
 
-def prefill_graph(model: torch.nn.Module, causal: bool, fp8: bool) -> torch.nn.Module:
-    """smelter's own graph for Llama-family decoders (the only one built in fp8), else the HF forward."""
+def prefill_graph(model: torch.nn.Module, causal: bool, fp8: bool, kept: Collection[str] = ()) -> torch.nn.Module:
+    """smelter's own graph for Llama-family decoders (the only one built in fp8, its `kept` products in
+    bf16), else the HF forward."""
     from tasks.backends.llama_graphs import LlamaPrefill
     from tasks.backends.llama_support import fp8_unsupported, unsupported
 
@@ -128,7 +130,7 @@ def prefill_graph(model: torch.nn.Module, causal: bool, fp8: bool) -> torch.nn.M
         if problem:
             raise BackendUnavailable(problem)
     if causal and unsupported(model.config) is None:
-        return LlamaPrefill(model, fp8=fp8).eval()
+        return LlamaPrefill(model, fp8=fp8, kept=kept).eval()
     _exportable_masks(model)
     return PrefillGraph(model, causal)
 
@@ -160,10 +162,10 @@ def _export(graph: torch.nn.Module, inputs: tuple[Any, ...], dynamic: tuple[Any,
 
 
 def export_prefill(model: torch.nn.Module, causal: bool, batch: int, seq: int, fp8: bool = False,
-                   weights_as_input: bool = False) -> Exported:
+                   weights_as_input: bool = False, kept: Collection[str] = ()) -> Exported:
     """Export (input_ids, attention_mask) -> output with batch and sequence dynamic (Dim.AUTO: named
     ranges hit guards Llama's attention adds)."""
-    graph = prefill_graph(model, causal, fp8)
+    graph = prefill_graph(model, causal, fp8, kept)
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
@@ -185,12 +187,19 @@ def export_decode(model: torch.nn.Module, dtype: torch.dtype, weights_as_input: 
 
 
 def _compile_options(target: InductorTarget, decode: bool) -> dict[str, Any]:
-    """Inductor options: the target's compile mode for the prefill; the decode step is never autotuned
-    (it reads weights, so cuBLAS is within a few percent of the best template, and autotuning 1B
-    parameters' worth of shapes per batch size cost minutes on an H200) and is replayed with CUDA
-    graphs where the target asks."""
-    autotune = target.compile_mode.startswith("max-autotune") and not decode
-    return {"max_autotune": autotune, "triton.cudagraphs": decode and target.cuda_graphs and target.device == "cuda"}
+    """Inductor options. The prefill follows torch.compile's modes: `max-autotune*` autotune its
+    products, `reduce-overhead` and `max-autotune` replay it with CUDA graphs (one recording per
+    prompt shape). The decode step is never autotuned (it reads weights, so cuBLAS is within a few
+    percent of the best template, and autotuning 1B parameters' worth of shapes per batch size cost
+    minutes on an H200) and is replayed with CUDA graphs where `cuda_graphs` asks."""
+    if decode:
+        return {"max_autotune": False, "triton.cudagraphs": target.cuda_graphs and target.device == "cuda"}
+    return {"max_autotune": target.compile_mode.startswith("max-autotune"),
+            "triton.cudagraphs": prefill_cuda_graphs(target)}
+
+
+def prefill_cuda_graphs(target: InductorTarget) -> bool:
+    return target.device == "cuda" and target.compile_mode in ("reduce-overhead", "max-autotune")
 
 
 class _CachedStep(torch.nn.Module):
@@ -220,17 +229,21 @@ class DecodeSession:
         self.batch, self.max_len = batch, max_len
         self.module = _CachedStep(step, *empty_cache(config, batch, max_len, dtype, device))
         self._step = self.module
+        self._replayed = False
         self._pos = torch.zeros((), dtype=torch.long, device=device)
 
     def compile(self, options: dict[str, Any]) -> None:
         self._step = torch.compile(self.module, options=options, dynamic=False)
+        self._replayed = options["triton.cudagraphs"]
 
     def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         if not 0 <= pos < self.max_len:
             raise ValueError(f"position {pos} is outside this session's cache of {self.max_len} tokens")
         self._pos.fill_(pos)
         with torch.no_grad():
-            return self._step(tokens, self._pos)
+            logits = self._step(tokens, self._pos)
+        # A replayed graph writes each output where it wrote the last one: hand out a copy the next step keeps.
+        return logits.clone() if self._replayed else logits
 
 
 class InductorRunner(Runner):
@@ -247,6 +260,7 @@ class InductorRunner(Runner):
         started = time.perf_counter()
         if sidecar["format"] == "aoti":
             self._prefill = torch._inductor.aoti_load_package(str(engine_dir / PREFILL))
+            self._prefill_replayed = False
             self._decode_graph = None
         else:
             cache = engine_dir / COMPILE_CACHE
@@ -258,6 +272,7 @@ class InductorRunner(Runner):
             weights = graph_weights.load(engine_dir / WEIGHTS, self.device)
             prefill = graph_weights.Bound(torch.export.load(str(engine_dir / PREFILL)).module(), weights["prefill"])
             self._prefill = torch.compile(prefill, options=_compile_options(target, decode=False))
+            self._prefill_replayed = prefill_cuda_graphs(target)
             self._decode_graph = (graph_weights.Bound(torch.export.load(str(engine_dir / DECODE)).module(),
                                                       weights["decode"])
                                   if (engine_dir / DECODE).is_file() else None)
@@ -265,9 +280,11 @@ class InductorRunner(Runner):
         self._config = _Config(sidecar["decoder_config"]) if sidecar.get("decoder_config") else None
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Device-resident in and out: what the benchmark times."""
+        """Device-resident in and out: what the benchmark times. The result stays valid after the next
+        call (with CUDA graphs, a copy out of the graph's memory)."""
         with torch.no_grad():
-            return self._prefill(input_ids, attention_mask)
+            out = self._prefill(input_ids, attention_mask)
+        return out.clone() if self._prefill_replayed else out
 
     def _device_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         missing = [n for n in self.input_names if n not in feeds]
@@ -322,6 +339,16 @@ def _decoder_config(config: Any) -> dict[str, int]:
             "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
 
 
+def fp8_kept(target: InductorTarget, config: Any) -> list[str]:
+    """The products target.fp8_exclude keeps in bf16 (smelter validate has checked them against the config)."""
+    from tasks.backends.llama_support import fp8_kept as kept_by
+
+    kept, problems = kept_by(target.fp8_exclude, config.num_hidden_layers)
+    if problems:
+        raise ValueError(f"target {target.name}: fp8_exclude[{problems[0][0]}]: {problems[0][1]}")
+    return kept
+
+
 def warm_shapes(profiles: list[ProfileSpec]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """What a build compiles ahead. Prefill: each prompt profile's opt (batch, seq), a prompt profile
     being one without `past` (all profiles if none is). Decode: each profile with `past`, at its min
@@ -335,15 +362,17 @@ def warm_shapes(profiles: list[ProfileSpec]) -> tuple[list[tuple[int, int]], lis
 
 def warm_up(runner: InductorRunner, prefill_shapes: list[tuple[int, int]],
             decode_shapes: list[tuple[int, int]], vocab: int) -> None:
-    """Compile every graph the engine will be asked for, by running each once."""
+    """Compile every graph the engine will be asked for, by running each (thrice where CUDA-graph
+    trees record it: they run it once, record it on the second call, replay it from the third)."""
     for batch, seq in prefill_shapes:
         ids = torch.randint(0, vocab, (batch, seq), device=runner.device)
-        runner.prefill(ids, torch.ones_like(ids))
+        for _ in range(3 if runner._prefill_replayed else 1):
+            runner.prefill(ids, torch.ones_like(ids))
     if runner._decode_graph is not None:
         for batch, max_len in decode_shapes:
             session = runner.decoder(batch, max_len)
             tokens = torch.randint(0, vocab, (batch, 1), device=runner.device)
-            for pos in range(3):  # CUDA-graph trees record on the second call, replay from the third
+            for pos in range(3):
                 session.step(tokens, pos)
     if runner.device == "cuda":
         torch.cuda.synchronize()
@@ -404,8 +433,9 @@ class InductorBackend(Backend):
         prefill_shapes, decode_shapes = warm_shapes(profiles)
         batch, seq = max(prefill_shapes)
         compiled = target.format == "compiled"
+        kept = fp8_kept(target, model.config) if precision == "fp8" else []
         prefill = export_prefill(model, causal, max(batch, 2), max(seq, 2), fp8=precision == "fp8",
-                                 weights_as_input=compiled)
+                                 weights_as_input=compiled, kept=kept)
         has_decode = causal and compiled and unsupported(model.config) is None
         decode = export_decode(model, dtype, weights_as_input=True) if has_decode else None
         export_seconds = time.perf_counter() - started
@@ -413,7 +443,7 @@ class InductorBackend(Backend):
         sidecar: dict[str, Any] = {
             "format": target.format, "precision": precision, "task": task, "causal": causal, "device": device,
             "target": target.name, "gpu": gpu.facts() if gpu else None, "versions": versions(),
-            "compile_mode": target.compile_mode, "cuda_graphs": target.cuda_graphs,
+            "compile_mode": target.compile_mode, "cuda_graphs": target.cuda_graphs, "fp8_kept_bf16": kept,
             "decoder_config": _decoder_config(model.config) if has_decode else None,
             "warm_shapes": {"prefill": prefill_shapes, "decode": decode_shapes if has_decode else []}}
         compile_started = time.perf_counter()

@@ -17,18 +17,20 @@ products instead of seven (one activation quantisation each, in fp8).
 fp8 (`fp8=True`, prefill only: its products are bound by arithmetic): each layer's weights are
 e4m3 with one scale per output channel, activations are quantised per token as they arrive, and
 products run through `torch._scaled_mm` into bf16. Norms, attention, the embedding and the LM head
-stay bf16. The decode step reads weights, so it stays in the model's dtype.
+stay bf16, and so do the products named in `kept` (llama_support.product_names).
+The decode step reads weights, so it stays in the model's dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tasks.backends.llama_support import fp8_unsupported, unsupported
+from tasks.backends.llama_support import PRODUCTS, fp8_unsupported, product_names, unsupported
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -80,7 +82,7 @@ class _Rope(nn.Module):
 class _Body(nn.Module):
     """What both graphs share: embedding, layers, final norm, LM head."""
 
-    def __init__(self, model: nn.Module, fp8: bool):
+    def __init__(self, model: nn.Module, fp8: bool, kept: Collection[str] = ()):
         super().__init__()
         config = model.config
         problem = fp8_unsupported(config) if fp8 else unsupported(config)
@@ -95,8 +97,14 @@ class _Body(nn.Module):
         self.lm_head = nn.Parameter(model.lm_head.weight.detach(), requires_grad=False)
         self.norm = nn.Parameter(body.norm.weight.detach(), requires_grad=False)
         self.rope = _Rope(body.rotary_emb)
-        self.layers = nn.ModuleList(_Layer(layer, self.heads, self.kv_heads, self.head_dim, self.eps, fp8)
-                                    for layer in body.layers)
+        unknown = sorted(set(kept) - set(product_names(len(body.layers))))
+        if unknown:
+            raise ValueError(f"no such products {unknown}: this model's are layers.0-{len(body.layers) - 1}."
+                             f"{'/'.join(PRODUCTS)}")
+        self.layers = nn.ModuleList(
+            _Layer(layer, self.heads, self.kv_heads, self.head_dim, self.eps,
+                   {p for p in PRODUCTS if fp8 and f"layers.{i}.{p}" not in kept})
+            for i, layer in enumerate(body.layers))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
@@ -105,8 +113,8 @@ class _Body(nn.Module):
 class LlamaPrefill(_Body):
     """logits[B, V] of the token after each row's last real token (attention_mask: 1s then 0s)."""
 
-    def __init__(self, model: nn.Module, fp8: bool = False):
-        super().__init__(model, fp8)
+    def __init__(self, model: nn.Module, fp8: bool = False, kept: Collection[str] = ()):
+        super().__init__(model, fp8, kept)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
@@ -135,7 +143,7 @@ class StaticDecoder(_Body):
 
 
 class _Layer(nn.Module):
-    def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, eps: float, fp8: bool):
+    def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, eps: float, fp8: set[str]):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         attn, mlp = layer.self_attn, layer.mlp
@@ -145,10 +153,10 @@ class _Layer(nn.Module):
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases = [getattr(p, "bias", None) for p in projections]
         self.qkv = _Linear(torch.cat([p.weight for p in projections]),
-                           torch.cat(biases) if all(b is not None for b in biases) else None, fp8)
-        self.o = _Linear(attn.o_proj.weight, None, fp8)
-        self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, fp8)
-        self.down = _Linear(mlp.down_proj.weight, None, fp8)
+                           torch.cat(biases) if all(b is not None for b in biases) else None, "qkv" in fp8)
+        self.o = _Linear(attn.o_proj.weight, None, "o" in fp8)
+        self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, "gate_up" in fp8)
+        self.down = _Linear(mlp.down_proj.weight, None, "down" in fp8)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(_rms_norm(x, self.ln2, self.eps)).chunk(2, dim=-1)

@@ -6,9 +6,11 @@ again of the loaded model, so both refuse with the same words.
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+PRODUCTS = ("qkv", "o", "gate_up", "down")  # each layer's products, q/k/v and gate/up fused
 
 
 def unsupported(config: Any) -> str | None:
@@ -39,3 +41,23 @@ def fp8_unsupported(config: Any, decoder: bool = True) -> str | None:
              "num_attention_heads * head_dim": heads * head_dim, "num_key_value_heads * head_dim": kv_heads * head_dim}
     odd = [f"{name} = {value}" for name, value in sizes.items() if value % 16]
     return f"fp8 products need sizes divisible by 16; this model has {', '.join(odd)}" if odd else None
+
+
+def product_names(layers: int) -> list[str]:
+    """Each layer product's name, as a target's fp8_exclude globs see them: layers.0.qkv ... layers.<n-1>.down."""
+    return [f"layers.{i}.{product}" for i in range(layers) for product in PRODUCTS]
+
+
+def fp8_kept(globs: list[str], layers: int) -> tuple[list[str], list[tuple[int, str]]]:
+    """The products `globs` keep in bf16 (in graph order), and (index, why) for each glob that matches
+    none: a typo would otherwise quantise the very layer it meant to keep."""
+    names = product_names(layers)
+    kept: set[str] = set()
+    problems = []
+    for i, pattern in enumerate(globs):
+        matched = fnmatch.filter(names, pattern)
+        if not matched:
+            problems.append((i, f"{pattern!r} matches no product of this model; its {layers} layers' products are "
+                                f"layers.<0-{layers - 1}>.{'|'.join(PRODUCTS)}"))
+        kept.update(matched)
+    return [name for name in names if name in kept], problems
