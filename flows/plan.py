@@ -45,6 +45,9 @@ def pipeline_rows(spec: PipelineSpec, store: ArtifactStore,
         result, problem = store.check(spec.name, step.stage, work.key, repair=False)
         if result is not None:
             found[step.ref] = result
+        if result is not None and not work.reusable(result):
+            yield _row(step, "to-run", work.key, "published while the machine was busy: measured again")
+            continue
         yield _row(step, "cached" if result else "to-run", work.key, f"damaged: {problem}" if problem else "")
 
 

@@ -71,10 +71,11 @@ def stage_started(label: str, stage: str) -> None:
         _emit(f"[cyan]▶[/] {label:<28} {stage:<10} running", f"{label} {stage}: running")
 
 
-def stage_done(label: str, stage: str, *, cached: bool) -> None:
+def stage_done(label: str, stage: str, *, cached: bool, kept: str | None = None) -> None:
+    """`kept`: the stage ran again but kept its published output, and why (not `cached`: it took the time)."""
     seconds = time.perf_counter() - _started.pop((label, stage), time.perf_counter())
-    word = "cached" if cached else f"done {seconds:.1f}s"
-    colour = "yellow" if cached else "green"
+    word = f"kept {seconds:.1f}s: {kept}" if kept else "cached" if cached else f"done {seconds:.1f}s"
+    colour = "yellow" if cached or kept else "green"
     _emit(f"[green]✔[/] {label:<28} {stage:<10} [{colour}]{word}[/]", f"{label} {stage}: {word}")
 
 

@@ -56,7 +56,9 @@ def global_key_lock(key_name: str) -> Iterator[None]:
 def _as_state(label: str, stage: str, result: StageResult) -> Any:
     if result.repaired:
         progress.message(f"warning: {label} {stage}: {result.repaired}")
-    progress.stage_done(label, stage, cached=result.cached)
+    progress.stage_done(label, stage, cached=result.cached, kept=result.kept)
+    if result.kept:
+        return Completed(data=result, name="Kept", message=f"artifact {result.key} kept: {result.kept}")
     if result.cached:
         return Completed(data=result, name="Cached", message=f"artifact {result.key} already built")
     return result

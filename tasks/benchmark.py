@@ -116,8 +116,9 @@ def benchmark_work(spec: PipelineSpec, target_name: str, builds: dict[str, Stage
     def produce(w: StageWriter, published: StageResult | None) -> None:
         with LoadWatch() as load:
             measured = _measure(spec, target_name, builds, champion, champion_build, config, open_runner)
-        if published and load.contended:
-            raise KeepPublished  # a contended measurement never replaces a published one
+        if published and load.contended:  # a contended measurement never replaces a published one
+            raise KeepPublished(f"measured again, but other processes used {load.foreign_cpu_share:.0%} of the CPU "
+                                "again: the published measurement stands")
         w.outputs.update(measured.outputs | {"host": load.as_dict(), "key": w.manifest["key"]})
         measured.samples.to_csv(w.dir / SAMPLES, index=False)
         killpoints.reach("benchmark")

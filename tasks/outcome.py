@@ -97,7 +97,7 @@ class CandidateOutcome:
                                        for r in RATIOS if f"{r}_ci_low" in self.metrics},
             "error": self.error,
             "failed_stage": self.failed_stage,
-            "stages": {name: {"key": r.key, "cached": r.cached} | _contended(r) | _repaired(r)
+            "stages": {name: {"key": r.key, "cached": r.cached} | _contended(r) | _repaired(r) | _kept(r)
                        for name, r in self.stages.items()},
             "mlflow_run_id": self.run_id,
             "registered_model": self.model_name,
@@ -109,6 +109,11 @@ class CandidateOutcome:
 def _repaired(stage: StageResult) -> dict[str, str]:
     """A damaged earlier output of this stage was moved aside and rebuilt: where it went and why."""
     return {"repaired": stage.repaired} if stage.repaired else {}
+
+
+def _kept(stage: StageResult) -> dict[str, str]:
+    """The stage ran again and kept its published output: why."""
+    return {"kept": stage.kept} if stage.kept else {}
 
 
 def _contended(stage: StageResult) -> dict[str, bool]:

@@ -27,7 +27,8 @@ shared_key_lock: contextvars.ContextVar[KeyLock | None] = contextvars.ContextVar
 
 
 class KeepPublished(Exception):
-    """Raised by a producer that decides the already-published output stands (a contended re-measurement)."""
+    """Raised by a producer that decides the already-published output stands (a contended re-measurement);
+    its message says why, and reaches the run's terminal and record as the result's `kept`."""
 
 
 @dataclass
@@ -111,8 +112,8 @@ def run_stage(work: Work, store: ArtifactStore, force: bool = False) -> StageRes
             with store.writing(work.pipeline, work.stage, work.key, inputs=work.inputs, config=work.config,
                                tools=work.tools) as writer:
                 work.produce(writer, published)
-        except KeepPublished:
+        except KeepPublished as why:
             assert published is not None
-            return replace(published, repaired=repaired)
+            return replace(published, repaired=repaired, kept=str(why) or "the published output stands")
     assert writer.result is not None
     return replace(writer.result, repaired=repaired)

@@ -122,7 +122,8 @@ class StageResult:
     """A finished stage output on disk; what downstream stages and the tracker read.
 
     `repaired` says why a damaged earlier output of this key was moved aside, and where, when this
-    run rebuilt it.
+    run rebuilt it. `kept` says why this run produced the stage again yet kept the published output
+    (a re-measurement that was contended too): it is `cached`, but it took the time of a new one.
     """
 
     pipeline: str
@@ -132,6 +133,7 @@ class StageResult:
     manifest: dict[str, Any] = field(hash=False, compare=False)
     cached: bool = False
     repaired: str | None = None
+    kept: str | None = None
 
     def file(self, name: str) -> Path:
         return self.path / name

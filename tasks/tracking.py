@@ -781,7 +781,8 @@ def outcome_record(outcome: CandidateOutcome) -> dict[str, Any]:
     how the build ended."""
     return {"candidate": outcome.candidate.model_dump(), "status": outcome.status, "error": outcome.error,
             "failed_stage": outcome.failed_stage,
-            "stages": {name: {"key": s.key, "cached": s.cached, "manifest": s.manifest, "repaired": s.repaired}
+            "stages": {name: {"key": s.key, "cached": s.cached, "manifest": s.manifest, "repaired": s.repaired,
+                              "kept": s.kept}
                        for name, s in outcome.stages.items()}}
 
 
@@ -812,7 +813,7 @@ def candidate_outcome(run_id: str, store_root: Path) -> CandidateOutcome | None:
         return None
     candidate = Candidate(**record["candidate"])
     stages = {name: StageResult(candidate.pipeline, name, s["key"], store_root / candidate.pipeline / name / s["key"],
-                                s["manifest"], cached=s["cached"], repaired=s.get("repaired"))
+                                s["manifest"], cached=s["cached"], repaired=s.get("repaired"), kept=s.get("kept"))
               for name, s in record["stages"].items()}
     return CandidateOutcome(candidate, record["status"], stages=stages, error=record["error"],
                             failed_stage=record["failed_stage"], run_id=run_id)

@@ -194,6 +194,19 @@ def test_a_contended_measurement_never_replaces_a_published_one(
     again = run_benchmark(spec, "cpu", builds, store, force=True)
     assert again.key == published.key and again.cached
     assert again.file(SAMPLES).read_bytes() == before
+    assert again.kept.startswith("measured again, but other processes used") and not published.kept
+
+
+def test_a_measurement_published_under_contention_is_taken_again_and_kept_saying_why(
+        encoder: tuple[PipelineSpec, ArtifactStore], request: pytest.FixtureRequest) -> None:
+    spec, store = encoder
+    builds = {"tiny/fp32/cpu": engines(spec, store)["cpu"]}
+    request.getfixturevalue("busy_machine")
+    first = run_benchmark(spec, "cpu", builds, store)  # nothing published yet: published, contended
+    assert first.outputs["host"]["contended"] and not first.kept
+    again = run_benchmark(spec, "cpu", builds, store)  # not reused as is: measured again, contended again
+    assert again.key == first.key and again.cached and again.kept.startswith("measured again")
+    assert again.file(SAMPLES).read_bytes() == first.file(SAMPLES).read_bytes()
 
 
 def test_decoder_measures_prefill_and_decode_step(pipeline_factory: Callable[..., Path], tiny_llama_dir: Path,

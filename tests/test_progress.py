@@ -40,6 +40,15 @@ def test_library_output_goes_to_the_log_file_and_stage_lines_to_the_terminal(tmp
         assert noise in captured
 
 
+def test_a_stage_that_ran_again_but_kept_its_output_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not "cached": it took the time of a new run, and the line says why its result was not used."""
+    progress.stage_started("enc/fp32/cpu", "benchmark")
+    progress.stage_done("enc/fp32/cpu", "benchmark", cached=True, kept="the published measurement stands")
+    line = capsys.readouterr().err
+    assert "benchmark" in line and "kept" in line and "the published measurement stands" in line
+    assert "cached" not in line
+
+
 def test_quiet_keeps_only_failures(capsys: pytest.CaptureFixture[str]) -> None:
     try:
         progress.set_level(progress.QUIET)

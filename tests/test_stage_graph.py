@@ -13,6 +13,7 @@ from tasks import graph
 from tasks.spec import PipelineSpec, load
 from tasks.stage import run_stage
 from tasks.store import CORRUPT_DIR, ArtifactStore, StageResult
+from tests.test_benchmark import busy_machine  # noqa: F401  (a fixture)
 from tests.test_store import flip
 
 STAGES = ("export", "validate", "precision", "build", "accuracy", "benchmark")
@@ -107,6 +108,20 @@ def task_run_refs(pipeline: str) -> dict[tuple[str, str], str]:
         if stage in STAGES and node.split("/")[0] == pipeline:
             refs[(node, stage)] = run.state.name if run.state else "?"
     return refs
+
+
+def test_plan_says_a_benchmark_published_while_the_machine_was_busy_runs_again(
+        chain: tuple[PipelineSpec, ArtifactStore], tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    from flows.plan import pipeline_rows
+
+    spec, _ = chain
+    store = ArtifactStore(tmp_path / "artifacts")
+    request.getfixturevalue("busy_machine")
+    assert run_chain(spec, store)["benchmark"].outputs["host"]["contended"]
+    rows = {r["stage"]: r for r in pipeline_rows(spec, store)}
+    assert rows["build"]["state"] == "cached"
+    assert (rows["benchmark"]["state"], rows["benchmark"]["note"]) == (
+        "to-run", "published while the machine was busy: measured again")
 
 
 @pytest.mark.slow
