@@ -260,7 +260,6 @@ class InductorRunner(Runner):
         started = time.perf_counter()
         if sidecar["format"] == "aoti":
             self._prefill = torch._inductor.aoti_load_package(str(engine_dir / PREFILL))
-            self._prefill_replayed = False
             self._decode_graph = None
         else:
             cache = engine_dir / COMPILE_CACHE
@@ -272,11 +271,11 @@ class InductorRunner(Runner):
             weights = graph_weights.load(engine_dir / WEIGHTS, self.device)
             prefill = graph_weights.Bound(torch.export.load(str(engine_dir / PREFILL)).module(), weights["prefill"])
             self._prefill = torch.compile(prefill, options=_compile_options(target, decode=False))
-            self._prefill_replayed = prefill_cuda_graphs(target)
             self._decode_graph = (graph_weights.Bound(torch.export.load(str(engine_dir / DECODE)).module(),
                                                       weights["decode"])
                                   if (engine_dir / DECODE).is_file() else None)
         self.load_seconds = time.perf_counter() - started
+        self._prefill_replayed = sidecar["format"] == "compiled" and prefill_cuda_graphs(target)
         self._config = _Config(sidecar["decoder_config"]) if sidecar.get("decoder_config") else None
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -339,11 +338,11 @@ def _decoder_config(config: Any) -> dict[str, int]:
             "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
 
 
-def fp8_kept(target: InductorTarget, config: Any) -> list[str]:
+def _kept_products(target: InductorTarget, config: Any) -> list[str]:
     """The products target.fp8_exclude keeps in bf16 (smelter validate has checked them against the config)."""
-    from tasks.backends.llama_support import fp8_kept as kept_by
+    from tasks.backends.llama_support import fp8_kept
 
-    kept, problems = kept_by(target.fp8_exclude, config.num_hidden_layers)
+    kept, problems = fp8_kept(target.fp8_exclude, config.num_hidden_layers)
     if problems:
         raise ValueError(f"target {target.name}: fp8_exclude[{problems[0][0]}]: {problems[0][1]}")
     return kept
@@ -433,7 +432,7 @@ class InductorBackend(Backend):
         prefill_shapes, decode_shapes = warm_shapes(profiles)
         batch, seq = max(prefill_shapes)
         compiled = target.format == "compiled"
-        kept = fp8_kept(target, model.config) if precision == "fp8" else []
+        kept = _kept_products(target, model.config) if precision == "fp8" else []
         prefill = export_prefill(model, causal, max(batch, 2), max(seq, 2), fp8=precision == "fp8",
                                  weights_as_input=compiled, kept=kept)
         has_decode = causal and compiled and unsupported(model.config) is None

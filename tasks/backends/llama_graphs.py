@@ -143,7 +143,8 @@ class StaticDecoder(_Body):
 
 
 class _Layer(nn.Module):
-    def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, eps: float, fp8: set[str]):
+    def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, eps: float,
+                 fp8_products: set[str]):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         attn, mlp = layer.self_attn, layer.mlp
@@ -153,10 +154,10 @@ class _Layer(nn.Module):
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases = [getattr(p, "bias", None) for p in projections]
         self.qkv = _Linear(torch.cat([p.weight for p in projections]),
-                           torch.cat(biases) if all(b is not None for b in biases) else None, "qkv" in fp8)
-        self.o = _Linear(attn.o_proj.weight, None, "o" in fp8)
-        self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, "gate_up" in fp8)
-        self.down = _Linear(mlp.down_proj.weight, None, "down" in fp8)
+                           torch.cat(biases) if all(b is not None for b in biases) else None, "qkv" in fp8_products)
+        self.o = _Linear(attn.o_proj.weight, None, "o" in fp8_products)
+        self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, "gate_up" in fp8_products)
+        self.down = _Linear(mlp.down_proj.weight, None, "down" in fp8_products)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(_rms_norm(x, self.ln2, self.eps)).chunk(2, dim=-1)
