@@ -141,6 +141,23 @@ def text_prompts(batch: int, seq: int, count: int, seed: int) -> list[torch.Tens
                  + torch.arange(seq, device="cuda")] for _ in range(count)]
 
 
+def calibration_windows(batch: int, seq: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, attention_mask) windows of the training text, for static fp8 scales: real text, and
+    none of the windows the engines are checked on."""
+    data = text_bytes(TRAIN_TEXT)
+    g = torch.Generator(device="cuda").manual_seed(17)
+    windows = [data[torch.randint(0, data.numel() - seq, (batch,), device="cuda", generator=g)[:, None]
+                    + torch.arange(seq, device="cuda")] for _ in range(count)]
+    return [(ids, torch.ones_like(ids)) for ids in windows]
+
+
+def static_scales(model: torch.nn.Module, args: argparse.Namespace, batch: int, seq: int) -> dict[str, float]:
+    from tasks.backends.llama_graphs import FP8_MAX, calibrate_input_amax
+
+    amax = calibrate_input_amax(model, calibration_windows(batch, seq, args.calibration_batches))
+    return {name: value / FP8_MAX for name, value in amax.items()}
+
+
 def eager(kind: str, directory: Path, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -201,6 +218,7 @@ def warm_start(engine: Path, target: dict[str, Any], batch: int, seq: int, decod
         figures = json.loads(lines[-1])
         if profile:
             figures["profile"] = lines[:-1][:70]
+            figures["timed_under_cprofile"] = True  # Python-heavy steps (deserialising, tracing) run slower
         runs.append(figures)
     first, warm = runs
     return {**warm, "first_process_compiling_bytecode": {k: v for k, v in first.items() if k != "profile"}}
@@ -346,7 +364,7 @@ def decoder_fp8_section(args: argparse.Namespace, work: Path, ceilings: dict[str
     section: dict[str, Any] = {"prefill_shape": [batch, seq], "prefill_bf16_bound_ms": round(bound, 3),
                                "training": training, "products": fp8_product_error(shape, batch * seq)}
     report.add("decoder_fp8", section)
-    checks = text_prompts(batch, seq, args.check_batches, 7)
+    checks = text_prompts(batch, seq, args.fp8_check_batches or args.check_batches, 7)
     model = eager("decoder", model_dir, torch.float32)
     with torch.no_grad():
         reference = [model(input_ids=c, use_cache=False, logits_to_keep=1).logits[:, -1].float() for c in checks]
@@ -354,13 +372,18 @@ def decoder_fp8_section(args: argparse.Namespace, work: Path, ceilings: dict[str
     torch.cuda.empty_cache()
     target = {"name": "sm90", "backend": "inductor", "device": "cuda", "arch": detect_gpu().arch,
               "format": "compiled", "compile_mode": args.fp8_compile_mode,
-              "fp8_exclude": args.fp8_exclude.split("|") if args.fp8_exclude else []}
+              "fp8_exclude": args.fp8_exclude.split("|") if args.fp8_exclude else [], "fp8_scaling": args.fp8_scaling}
+    calibration = None
+    if args.fp8_scaling == "static":
+        calibration = [{"input_ids": ids.cpu().numpy(), "attention_mask": mask.cpu().numpy()}
+                       for ids, mask in calibration_windows(batch, seq, args.calibration_batches)]
     engine_dir = work / "engine-llama-fp8"
     engine_dir.mkdir()
     backend = InductorBackend()
     started = time.perf_counter()
     facts = backend.build_from_model(model_dir, "text-generation", "fp8", InductorTarget(**target),
-                                     [ProfileSpec(batch=[1, batch, batch], seq=[1, seq, seq])], engine_dir)
+                                     [ProfileSpec(batch=[1, batch, batch], seq=[1, seq, seq])], engine_dir,
+                                     calibration=calibration)
     facts["cold_build_s"] = round(time.perf_counter() - started, 3)
     section["engine_build"] = facts
     report.add("decoder_fp8", section)
@@ -488,15 +511,17 @@ def prefill_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
     mask = torch.ones_like(ids)
     section["eager_bf16"] = {**timed(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1).logits, 3,
                                      args.repeats), "vs_fp32": gm.logit_agreement(fp32, bf16)}
+    scales = static_scales(model, args, batch, seq) if args.fp8_recipes or "fp8-static" in args.variants else None
     if args.fp8_recipes:
-        section["fp8_recipes"] = fp8_recipes(model, cfg, choosing, fp32_choosing)
+        section["fp8_recipes"] = fp8_recipes(model, cfg, choosing, fp32_choosing, scales)
     report.add("prefill", section)
     for variant in args.variants.split(","):
         precision, mode, globs, extra = (variant.split(":") + ["", ""])[:4]
         started = time.perf_counter()
         try:
             kept = fp8_kept(globs.split("|"), cfg.num_hidden_layers)[0] if globs else []
-            program = export_prefill(model, True, batch, seq, fp8=precision == "fp8", kept=kept)
+            program = export_prefill(model, True, batch, seq, fp8=precision.startswith("fp8"), kept=kept,
+                                     input_scales=scales if precision == "fp8-static" else None)
             target = InductorTarget(name="sm90", backend="inductor", device="cuda", arch=detect_gpu().arch,
                                     compile_mode=mode)
             options = {**_compile_options(target, decode=False),
@@ -524,11 +549,12 @@ def prefill_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
 
 
 def fp8_recipes(model: torch.nn.Module, cfg: Any, prompts_: list[torch.Tensor],
-                fp32: list[torch.Tensor]) -> dict[str, Any]:
-    """Top-1 against fp32 of the eager fp8 prefill for each choice of products kept in bf16, on windows
-    of the evaluation text apart from those the engines are checked on (another seed), so that choosing
-    a recipe here does not tune the figure reported for it. `fixed_vs_all_fp8` and `broken_vs_all_fp8`
-    pair the positions: those a recipe gets right that all-e4m3 gets wrong, and the reverse."""
+                fp32: list[torch.Tensor], scales: dict[str, float] | None) -> dict[str, Any]:
+    """Top-1 against fp32 of the eager fp8 prefill for each choice of products kept in bf16 (per-token
+    scales, and static `scales` for two of them), on windows of the evaluation text apart from those
+    the engines are checked on (another seed), so that choosing a recipe here does not tune the figure
+    reported for it. `fixed_vs_all_fp8` and `broken_vs_all_fp8` pair the positions: those a recipe
+    gets right that all-e4m3 gets wrong, and the reverse."""
     from tasks.backends.llama_graphs import LlamaPrefill
     from tasks.backends.llama_support import fp8_kept
 
@@ -537,12 +563,15 @@ def fp8_recipes(model: torch.nn.Module, cfg: Any, prompts_: list[torch.Tensor],
                "first and last layers": ["layers.0.*", f"layers.{last}.*"],
                "first two and last two layers": ["layers.[01].*", f"layers.{last - 1}.*", f"layers.{last}.*"],
                "attention products": ["*.qkv", "*.o"], "down products": ["*.down"]}
+    if scales is not None:
+        recipes |= {"static: none": [], "static: first and last layers": ["layers.0.*", f"layers.{last}.*"]}
     reference = torch.cat([r.argmax(-1) for r in fp32])
     out: dict[str, Any] = {"positions": int(reference.numel())}
     baseline = None
     for name, globs in recipes.items():
         kept = fp8_kept(globs, cfg.num_hidden_layers)[0]
-        graph = LlamaPrefill(model, fp8=True, kept=kept).eval()
+        graph = LlamaPrefill(model, fp8=True, kept=kept, input_scales=scales if name.startswith("static") else None)
+        graph.eval()
         with torch.no_grad():
             logits = [graph(p, torch.ones_like(p)).float() for p in prompts_]
         top1 = torch.cat([x.argmax(-1) for x in logits]) == reference
@@ -657,22 +686,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2-layer models: check the script, not the GPU")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--check-batches", type=int, default=16, help="8-window batches of data/eval.txt for the top-1 check")
+    parser.add_argument("--fp8-check-batches", type=int, help="section decoder_fp8's, if not --check-batches")
     parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     parser.add_argument("--fp8-compile-mode", default="default",
                         help="the fp8 engine's: on the H200, autotuning one fp8 product shape took 154 s (its best "
                              "qkv kernel 0.066 ms, cuBLAS's 0.080 ms), too long for a 10-minute run")
     parser.add_argument("--fp8-exclude", default="", help="the fp8 engine's products kept in bf16: globs over "
                                                           "layers.<i>.qkv|o|gate_up|down, separated by |")
+    parser.add_argument("--fp8-scaling", choices=["per-token", "static"], default="per-token",
+                        help="the fp8 engine's activation scales (target setting fp8_scaling)")
+    parser.add_argument("--calibration-batches", type=int, default=16,
+                        help="8-window batches of data/calibration.txt that static fp8 scales are set from")
     parser.add_argument("--train-steps", type=int, default=300, help="decoder training on data/calibration.txt")
     parser.add_argument("--sections", default="decoder,encoder")
     parser.add_argument("--variants", default="bf16:max-autotune-no-cudagraphs,bf16:max-autotune,fp8:default,"
                                               "fp8:reduce-overhead",
                         help="section prefill: precision:compile-mode[:glob|glob kept bf16[:inductor.option=int&...]], "
-                             "comma-separated")
+                             "comma-separated; precision fp8-static: fp8 with static scales")
     parser.add_argument("--fp8-recipes", action=argparse.BooleanOptionalAction, default=True,
                         help="section prefill: top-1 of each choice of products kept bf16 in fp8 (eager)")
     parser.add_argument("--append", action="store_true",
-                        help="add these sections to an existing --out (each run's command, date and ceilings kept)")
+                        help="add these sections to an existing --out (each run's command, date and ceilings kept; "
+                             "each section bounded by the ceilings of the run that measured it)")
     parser.add_argument("--warm-start", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
@@ -693,14 +728,14 @@ def main() -> None:
                                "timing": "inputs and outputs device-resident on both sides; CUDA events per call; "
                                          "median with p10/p90 over repeats after warm-up"})
     report.add("runs", [*previous.get("runs", []), run])
-    report.add("ceilings", previous.get("ceilings", run["ceilings"]))
+    report.add("ceilings", run["ceilings"])  # the latest run's: each section is bounded by its own run's (runs[])
     with tempfile.TemporaryDirectory(prefix="gpu-pipeline-") as tmp:
         for name in args.sections.split(","):
             started = time.perf_counter()
             try:
                 {"decoder": decoder_section, "decoder_fp8": decoder_fp8_section, "encoder": encoder_section,
                  "decode_step": decode_step_section, "prefill": prefill_section}[name](
-                    args, Path(tmp), report.data["ceilings"], report)
+                    args, Path(tmp), run["ceilings"], report)
             except Exception as e:  # keep what the other section measured; say what failed
                 import traceback
                 traceback.print_exc()

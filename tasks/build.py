@@ -22,7 +22,7 @@ from tasks.backends.table import BACKENDS
 from tasks.models import model_source_digest
 from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec, ProfileSpec, TargetSpec
-from tasks.store import ArtifactStore, StageResult, StageWriter, tool_versions
+from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
 
 STAGE = "build"
 CODE = ("tasks.build",)  # what the stage computes (with the backend's module): part of the key
@@ -56,11 +56,13 @@ def _key_parts(target: TargetSpec, backend: Backend, profiles: list[ProfileSpec]
             "hardware": backend.hardware(target)}
 
 
-def _code(target: TargetSpec) -> tuple[str, ...]:
-    """This stage's code and the backend's (its module and the backend modules it imports): a fix in
-    any of them rebuilds the engines it touches."""
+def _code(target: TargetSpec, calibrates: bool = False) -> tuple[str, ...]:
+    """This stage's code and the backend's (its module and the backend modules it imports), and the
+    code that makes calibration feeds where the build calibrates: a fix in any of them rebuilds the
+    engines it touches."""
     module = BACKENDS[target.backend].module
-    return CODE + tuple(sorted({"tasks.backends.base", module, *backend_imports(module)}))
+    calibration = ("tasks.inputs", "tasks.precision") if calibrates else ()
+    return CODE + calibration + tuple(sorted({"tasks.backends.base", module, *backend_imports(module)}))
 
 
 @functools.cache
@@ -96,8 +98,9 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
     if from_torch and spec.model_dir is None:
         raise BuildUnavailable(f"pipeline {spec.name}, target {target.name}: backend {backend.name} builds from the "
                                "model's own files; set model.path to a local copy of the model")
+    calibrates = target.calibrates(precision)
     if from_torch:
-        upstream: dict[str, Any] = {"model": model_source_digest(spec), "task": spec.model.task, "precision": precision}
+        upstream = torch_upstream(spec, target, precision)
     elif precision_result is None:
         raise ValueError(f"pipeline {spec.name}, target {target.name}: backend {backend.name} builds from the "
                          "precision stage's ONNX, and none was given")
@@ -110,7 +113,9 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
         started = time.perf_counter()
         if from_torch:
             source_name = "model"
-            facts = backend.build_from_model(spec.model_dir, spec.model.task, precision, target, profiles, w.dir)
+            calibration = prompt_calibration(spec) if calibrates else None
+            facts = backend.build_from_model(spec.model_dir, spec.model.task, precision, target, profiles, w.dir,
+                                             calibration=calibration)
         else:
             source = backend.source_model(precision_result.path)
             if not source.is_file():
@@ -130,8 +135,26 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
                           "precision": precision if from_torch else precision_result.outputs.get("precision"),
                           "source_model": source_name})
 
-    return Work(spec.name, STAGE, parts, _code(target), produce, inputs=upstream, config=parts["config"],
+    return Work(spec.name, STAGE, parts, _code(target, calibrates), produce, inputs=upstream, config=parts["config"],
                 tools=parts["tools"])
+
+
+def torch_upstream(spec: PipelineSpec, target: TargetSpec, precision: str) -> dict[str, Any]:
+    """What an engine built from the model itself depends on: the model's files, its task, the precision,
+    and, where the build calibrates, the calibration settings and text."""
+    upstream: dict[str, Any] = {"model": model_source_digest(spec), "task": spec.model.task, "precision": precision}
+    if target.calibrates(precision):
+        upstream["calibration"] = {**spec.calibration.model_dump(mode="json"),
+                                   "data_sha256": file_digest(spec.resolve(spec.calibration.data))}
+    return upstream
+
+
+def prompt_calibration(spec: PipelineSpec) -> list[dict[str, Any]]:
+    """The calibration text as whole-prompt feeds (input_ids, attention_mask), for a build that
+    calibrates the graph it compiles."""
+    from tasks.precision import calibration_batches
+
+    return calibration_batches(spec, ["input_ids", "attention_mask"], past=0)
 
 
 def run_build(spec: PipelineSpec, precision_result: StageResult | None, target_name: str, store: ArtifactStore,

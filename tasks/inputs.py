@@ -90,12 +90,13 @@ def _kv_shape(config: Any, batch: int, length: int) -> tuple[int, int, int, int]
     return batch, kv_heads, length, head_dim
 
 
-def decoder_feeds(tokenizer: Any, reference_model: torch.nn.Module, texts: list[str], batch: int, seq: int,
+def decoder_feeds(tokenizer: Any, reference_model: torch.nn.Module | None, texts: list[str], batch: int, seq: int,
                   past: int, input_names: Iterable[str]) -> dict[str, np.ndarray]:
     """Feeds for one decoder step: `seq` new real tokens after a KV cache of `past` real tokens.
 
     The cache is what the reference itself computed on the preceding tokens, so an engine is
-    tested on the values it meets in generation, not on random numbers.
+    tested on the values it meets in generation, not on random numbers (without past inputs in
+    `input_names`, no reference is needed).
     """
     names = list(input_names)
     tokens = _token_rows(tokenizer, texts, batch, past + seq)
@@ -107,6 +108,8 @@ def decoder_feeds(tokenizer: Any, reference_model: torch.nn.Module, texts: list[
     if any(name.startswith(PAST_PREFIX) for name in names):
         import torch
 
+        if reference_model is None:
+            raise ValueError("decoder_feeds: past inputs are computed by the reference model, and none was given")
         if past > 0:
             with torch.inference_mode():
                 out = reference_model(input_ids=torch.from_numpy(tokens[:, :past]), use_cache=True)

@@ -148,18 +148,23 @@ def _calibration_past(spec: PipelineSpec) -> int:
     return spec.profiles[0].past[1] if spec.model.has_past and spec.profiles[0].past else 0
 
 
-def calibration_batches(spec: PipelineSpec, input_names: list[str]) -> list[dict[str, np.ndarray]]:
-    """spec.calibration.samples lines of the calibration text, tokenized into [batch_size, seq_len] feeds."""
+def calibration_batches(spec: PipelineSpec, input_names: list[str],
+                        past: int | None = None) -> list[dict[str, np.ndarray]]:
+    """spec.calibration.samples lines of the calibration text, tokenized into [batch_size, seq_len] feeds:
+    for a decoder, after a KV cache of `past` tokens (default: the profile's typical past; 0 for a
+    graph over whole prompts)."""
     calib = spec.calibration
     texts = inputs.read_texts(spec.resolve(calib.data), limit=calib.samples)
     tokenizer = models.load_tokenizer(spec)
-    reference = models.load_reference(spec) if spec.model.is_decoder else None
+    past = _calibration_past(spec) if past is None else past
+    with_cache = spec.model.is_decoder and any(name.startswith(inputs.PAST_PREFIX) for name in input_names)
+    reference = models.load_reference(spec) if with_cache else None  # it computes the cache
     batches = []
     for start in range(0, len(texts), calib.batch_size):
         chunk = texts[start:start + calib.batch_size]
-        if reference is not None:
-            batches.append(inputs.decoder_feeds(tokenizer, reference, chunk, len(chunk), calib.seq_len,
-                                                _calibration_past(spec), input_names))
+        if spec.model.is_decoder:
+            batches.append(inputs.decoder_feeds(tokenizer, reference, chunk, len(chunk), calib.seq_len, past,
+                                                input_names))
         else:
             batches.append(inputs.encoder_feeds(tokenizer, chunk, len(chunk), calib.seq_len, input_names))
     return batches

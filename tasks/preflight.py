@@ -47,7 +47,7 @@ class Checks:
 
 
 def check(spec: PipelineSpec, *, allow_outside_paths: bool, check_env: bool) -> Checks:
-    found = Checks(problems=_data_problems(spec, allow_outside_paths))
+    found = Checks(problems=_data_problems(spec, allow_outside_paths), warnings=_idle_fp8_settings(spec))
     _check_model(spec, found)
     if check_env:
         found.problems += [(("promotion", "webhooks", i, "secret_env"), f"environment variable {hook.secret_env} "
@@ -56,10 +56,23 @@ def check(spec: PipelineSpec, *, allow_outside_paths: bool, check_env: bool) -> 
     return found
 
 
+def _idle_fp8_settings(spec: PipelineSpec) -> list[Located]:
+    """A target's fp8 settings where it builds no fp8 engine change nothing: probably a missing precision."""
+    fp8_targets = {c.target for c in spec.candidates() if c.precision == "fp8"}
+    idle = []
+    for i, target in enumerate(spec.targets):
+        if target.name in fp8_targets:
+            continue
+        for key in ("fp8_exclude", "fp8_scaling"):
+            if key in target.model_fields_set:
+                idle.append((("targets", i, key), f"target {target.name} builds no fp8 engine (precisions: "
+                                                  f"{', '.join(spec.precisions)}), so {key} changes nothing"))
+    return idle
+
+
 def _data_problems(spec: PipelineSpec, allow_outside_paths: bool) -> list[Located]:
-    uses_calibration = any(c.precision == "int8" for c in spec.candidates())
     sections = [("accuracy", spec.accuracy.data, spec.accuracy.samples)]
-    if uses_calibration:
+    if spec.calibrates():
         sections.append(("calibration", spec.calibration.data, spec.calibration.samples))
     problems = []
     for section, written, samples in sections:
@@ -294,7 +307,7 @@ def config_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> 
             problems.append((("profiles", i, "past" if profile.past else "seq"),
                              f"{longest} = {profile.seq[2] + past} tokens is beyond the model's {key} {limit} "
                              f"({source})"))
-    if any(c.precision == "int8" for c in spec.candidates()) and spec.calibration.seq_len > limit:
+    if spec.calibrates() and spec.calibration.seq_len > limit:
         problems.append((("calibration", "seq_len"), f"{spec.calibration.seq_len} tokens is beyond the model's "
                                                      f"{key} {limit} ({source})"))
     return problems

@@ -348,6 +348,11 @@ class TargetSpec(_Strict):
         """The settings an engine of `precision` depends on (what its build key hashes)."""
         return self.model_dump(mode="json")
 
+    def calibrates(self, precision: str) -> bool:
+        """Whether this target's build of `precision` reads the calibration text itself (the int8 ONNX
+        graphs are calibrated by the precision stage instead)."""
+        return False
+
     def precision_problem(self, precision: str) -> str | None:
         """Why this target cannot build `precision`, or None."""
         built = BACKENDS[self.backend].precisions
@@ -410,6 +415,10 @@ class InductorTarget(TargetSpec):
     fp8_exclude: list[Pattern] = Field(default_factory=list, max_length=MAX_PATTERNS,
                                        description="an fp8 build's products kept in bf16: globs over "
                                                    "layers.<i>.qkv|o|gate_up|down")
+    fp8_scaling: Literal["per-token", "static"] = Field(
+        "per-token", description="an fp8 build's activation scales: per-token (computed as each input arrives) "
+        "or static (one per product input, calibrated on calibration.data at build: faster; values past the "
+        "calibrated range are clipped)")
     threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="intra-op threads (device: cpu)")
 
     @model_validator(mode="before")
@@ -438,8 +447,11 @@ class InductorTarget(TargetSpec):
         return "gpu" if self.device == "cuda" else "cpu"
 
     def key_settings(self, precision: str | None) -> dict[str, Any]:
-        """fp8_exclude shapes fp8 engines only: another precision's key leaves it out."""
-        return self.model_dump(mode="json", exclude=None if precision == "fp8" else {"fp8_exclude"})
+        """fp8_exclude and fp8_scaling shape fp8 engines only: another precision's key leaves them out."""
+        return self.model_dump(mode="json", exclude=None if precision == "fp8" else {"fp8_exclude", "fp8_scaling"})
+
+    def calibrates(self, precision: str) -> bool:
+        return precision == "fp8" and self.fp8_scaling == "static"
 
     def precision_problem(self, precision: str) -> str | None:
         if precision == "fp8" and (self.device != "cuda" or arch_number(self.arch or "sm0") < 89):
@@ -514,6 +526,14 @@ class PipelineSpec(_Strict):
 
     def target(self, name: str) -> TargetSpec:
         return next(t for t in self.targets if t.name == name)
+
+    def calibrated(self, candidate: Candidate) -> bool:
+        """Whether this candidate's engine is calibrated on calibration.data: int8 graphs, or a target
+        calibrating its own build."""
+        return candidate.precision == "int8" or self.target(candidate.target).calibrates(candidate.precision)
+
+    def calibrates(self) -> bool:
+        return any(self.calibrated(c) for c in self.candidates())
 
 
 class Candidate(BaseModel):

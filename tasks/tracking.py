@@ -228,8 +228,9 @@ def candidate_params(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str,
     """Precision and target config: what differs between sibling candidates in the compare view."""
     precision: dict[str, Any] = {"name": outcome.candidate.precision}
     if outcome.candidate.precision == "int8":
-        precision |= {"quantization": spec.quantization.model_dump(mode="json"),
-                      "calibration": spec.calibration.model_dump(mode="json")}
+        precision |= {"quantization": spec.quantization.model_dump(mode="json")}
+    if spec.calibrated(outcome.candidate):
+        precision |= {"calibration": spec.calibration.model_dump(mode="json")}
     target = spec.target(outcome.candidate.target).model_dump(mode="json")
     return flatten({"precision": precision, "target": target})
 
@@ -412,7 +413,7 @@ def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str
 def _log_datasets(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
     """The real text this engine was calibrated and judged on, so a data change shows in the UI."""
     uses = [("evaluation", spec.accuracy.data, spec.accuracy.samples)]
-    if outcome.candidate.precision == "int8":
+    if spec.calibrated(outcome.candidate):
         uses.append(("calibration", spec.calibration.data, spec.calibration.samples))
     for context, data, samples in uses:
         path = spec.resolve(data)

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from tasks.backends.base import get_backend
-from tasks.build import BuildUnavailable, build_key, open_engine, run_build
-from tasks.spec import PipelineSpec
+from tasks.build import BuildUnavailable, build_key, open_engine, prompt_calibration, run_build, torch_upstream
+from tasks.spec import PipelineSpec, load
 from tasks.store import ArtifactStore, StageResult
+from tests.fixtures.models import write_pipelines
 from tests.fixtures.onnx_graphs import write_mlp
 
 
@@ -94,3 +95,27 @@ def test_unavailable_backend_says_why_and_writes_nothing(tmp_path: Path) -> None
     with pytest.raises(BuildUnavailable, match="target sm90 \\(tensorrt\\): cannot build here: .+"):
         run_build(spec, precision_output(store, tmp_path), "sm90", store)
     assert not (store.root / "mlp" / "build").exists()
+
+
+def test_a_static_fp8_build_depends_on_the_calibration_text_and_reads_whole_prompts(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """fp8_scaling static calibrates the graph it compiles: editing calibration.data rebuilds that engine
+    (its key changes) and no other, and the build is fed whole prompts of real tokens (no KV cache)."""
+    path = write_pipelines(tmp_path, tiny_llama_dir, "text-generation-with-past", precisions=["bf16", "fp8"],
+                           targets=[{"name": "h200", "backend": "inductor", "arch": "sm90", "fp8_scaling": "static"}])
+    spec = load(path).pipelines["tiny"]
+    static = spec.target("h200")
+    per_token = static.model_copy(update={"fp8_scaling": "per-token"})
+    before = {"static": torch_upstream(spec, static, "fp8"), "per-token": torch_upstream(spec, per_token, "fp8"),
+              "bf16": torch_upstream(spec, static, "bf16")}
+    assert before["static"]["calibration"]["samples"] == 16 and "calibration" not in before["per-token"]
+    data = tmp_path / "data" / "calibration.txt"
+    data.write_text(data.read_text() + "One more line of calibration text.\n")
+    assert torch_upstream(spec, static, "fp8") != before["static"]
+    assert torch_upstream(spec, per_token, "fp8") == before["per-token"]
+    assert torch_upstream(spec, static, "bf16") == before["bf16"]
+    feeds = prompt_calibration(spec)
+    assert len(feeds) == 4  # 16 samples, 4 per batch
+    for batch in feeds:
+        assert set(batch) == {"input_ids", "attention_mask"} and batch["input_ids"].shape == (4, 32)
+        assert (batch["attention_mask"] == 1).all() and batch["attention_mask"].shape == batch["input_ids"].shape

@@ -25,6 +25,10 @@ def test_shared_and_tied_tensors_are_stored_once_and_a_differing_one_beside_them
         for name, tensor in original.items():
             assert loaded[graph][name].dtype == tensor.dtype and torch.equal(loaded[graph][name].float(), tensor.float())
     assert loaded["prefill"]["embed"] is loaded["decode"]["lm_head"], "one tensor in memory for every name of it"
+    one_by_one = graph_weights.WeightsFile(tmp_path / "w.safetensors", "cpu")
+    first = one_by_one.graph("prefill")  # what a runner that only prefills reads
+    assert first.keys() == prefill.keys()
+    assert one_by_one.graph("decode")["embed"] is first["embed"], "read later, a shared tensor is still one tensor"
 
 
 def test_a_file_without_the_index_is_refused_by_name(tmp_path: Path) -> None:

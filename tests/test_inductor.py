@@ -3,6 +3,7 @@ CPU kernels run torch._scaled_mm), AOTInductor on the CPU."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.inductor import (DecodeSession, EngineMismatch, InductorBackend, export_decode, export_prefill,
                                      load_problem, versions, warm_shapes)
-from tasks.backends.llama_graphs import LlamaPrefill, StaticDecoder, empty_cache
+from tasks.backends.llama_graphs import FP8_MAX, LlamaPrefill, StaticDecoder, calibrate_input_amax, empty_cache
 from tasks.backends.llama_support import fp8_unsupported, product_names
 from tasks.backends.table import BACKENDS
 from tasks.gpu import GpuInfo
@@ -140,6 +141,52 @@ def test_fp8_keeps_the_products_it_is_told_to_in_the_models_dtype(llama: LlamaFo
         LlamaPrefill(llama, fp8=True, kept=["layers.2.qkv"])
 
 
+def test_static_fp8_scales_are_set_from_real_tokens_only(llama: LlamaForCausalLM) -> None:
+    """Padding after a prompt's real tokens is computed but never read: its activations must not set a scale."""
+    model = copy.deepcopy(llama)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[255] = 0  # the padding token: one spike, which survives the norm
+        model.model.embed_tokens.weight[255, 0] = 1
+    ids = torch.randint(0, 255, (2, 12))
+    ids[1, 5:] = 255
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    padded = calibrate_input_amax(model, [(ids, mask)])
+    real_only = calibrate_input_amax(model, [(ids[:1], mask[:1]), (ids[1:, :5], mask[1:, :5])])
+    assert list(padded) == product_names(2)
+    assert padded == pytest.approx(real_only, rel=1e-5)
+    counting_padding = calibrate_input_amax(model, [(ids, torch.ones_like(ids))])
+    assert counting_padding["layers.0.qkv"] > 1.5 * padded["layers.0.qkv"]
+    with pytest.raises(ValueError, match="no real tokens"):
+        calibrate_input_amax(model, [(ids, torch.zeros_like(ids))])
+
+
+def test_static_fp8_prefill_stays_close_to_the_model(llama: LlamaForCausalLM) -> None:
+    """One e4m3 scale per weight and per product input, fixed at build: the exported graph runs, stays
+    near fp32, and clips what lies past the calibrated range instead of overflowing."""
+    calibration = [(torch.randint(0, 256, (4, 16)), torch.ones(4, 16, dtype=torch.long)) for _ in range(2)]
+    scales = {name: amax / FP8_MAX for name, amax in calibrate_input_amax(llama, calibration).items()}
+    ids = torch.randint(0, 256, (4, 16))
+    mask = torch.ones_like(ids)
+    expected = llama(ids).logits[:, -1]
+    got = export_prefill(llama, causal=True, batch=2, seq=8, fp8=True, input_scales=scales).module()(ids, mask)
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
+    assert cosine.min() > 0.99, cosine
+    per_token = LlamaPrefill(llama, fp8=True).layers[0].down
+    static = LlamaPrefill(llama, fp8=True, input_scales=scales).layers[0].down
+    assert static.weight.dtype == torch.float8_e4m3fn and torch.equal(static.weight, per_token.weight)
+    assert 1 / float(static.inv_input_scale) == pytest.approx(scales["layers.0.down"])
+    # the input's scale is folded into the weight's channel scales
+    torch.testing.assert_close(static.scale, per_token.scale * scales["layers.0.down"])
+    tiny = {name: 1e-6 for name in scales}  # everything past range: clipped to it
+    assert torch.isfinite(LlamaPrefill(llama, fp8=True, input_scales=tiny)(ids, mask)).all()
+    with pytest.raises(ValueError, match=r"static fp8 scales are missing for \['layers.1.down'\]"):
+        LlamaPrefill(llama, fp8=True, input_scales={k: v for k, v in scales.items() if k != "layers.1.down"})
+    kept = LlamaPrefill(llama, fp8=True, kept=["layers.1.down"],
+                        input_scales={k: v for k, v in scales.items() if k != "layers.1.down"})
+    assert kept.layers[1].down.weight.dtype == torch.float32
+
+
 def test_fp8_is_refused_with_the_reason(llama: LlamaForCausalLM) -> None:
     odd = llama.config.__class__(**{**llama.config.to_dict(), "intermediate_size": 100})
     assert fp8_unsupported(odd) == "fp8 products need sizes divisible by 16; this model has intermediate_size = 100"
@@ -204,6 +251,10 @@ def test_a_compiled_engine_stores_its_weights_once_and_reloads_on_the_cpu(llama:
     session = runner.decoder(2, 8)
     steps = torch.stack([session.step(ids[:, i:i + 1], i) for i in range(6)], dim=1)
     torch.testing.assert_close(steps, expected, rtol=1e-4, atol=1e-4)
+    # torch.compile takes the loaded prefill whole: a graph break would split it into graphs compiled,
+    # cached and (with CUDA graphs) recorded apart
+    explained = torch._dynamo.explain(runner._prefill._orig_mod)(ids, torch.ones_like(ids))
+    assert explained.graph_break_count == 0, explained.break_reasons
 
 
 def test_a_compiled_engine_from_before_shared_weights_is_refused_with_the_remedy(tmp_path: Path) -> None:

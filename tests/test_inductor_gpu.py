@@ -127,3 +127,33 @@ def test_fp8_engine_builds_and_stays_near_fp32(llama_dir: Path, tmp_path: Path) 
     cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
     print(f"fp8 engine vs fp32: cosine min {float(cosine.min()):.4f}")
     assert cosine.min() > 0.98
+
+
+def test_a_static_fp8_engine_is_calibrated_at_build(llama_dir: Path, tmp_path: Path) -> None:
+    """fp8_scaling static: one scale per product input, from the calibration feeds the build is given."""
+    from transformers import AutoModelForCausalLM
+
+    gpu = detect_gpu()
+    if gpu.compute_capability < (8, 9):
+        pytest.skip(f"fp8 products need compute capability 8.9 or more; this GPU has {gpu.cc}")
+    target = InductorTarget(name="gpu", backend="inductor", device="cuda", arch=gpu.arch, compile_mode="default",
+                            fp8_scaling="static")
+    profiles = [ProfileSpec(batch=[1, 4, 4], seq=[1, 8, 8])]
+    with pytest.raises(ValueError, match="no calibration feeds"):
+        InductorBackend().build_from_model(llama_dir, "text-generation", "fp8", target, profiles, tmp_path)
+    rng = np.random.default_rng(0)
+    calibration = [{"input_ids": rng.integers(0, 512, (4, 16)), "attention_mask": np.ones((4, 16), dtype=np.int64)}
+                   for _ in range(2)]
+    InductorBackend().build_from_model(llama_dir, "text-generation", "fp8", target, profiles, tmp_path,
+                                       calibration=calibration)
+    sidecar = json.loads((tmp_path / "engine.json").read_text())
+    assert sidecar["fp8_scaling"] == "static" and sidecar["fp8_calibration"]["tokens"] == 128
+    assert len(sidecar["fp8_calibration"]["input_amax"]) == 8
+    runner = InductorBackend().load(tmp_path, target)
+    ids = torch.randint(0, 512, (4, 8), device="cuda")
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(llama_dir).cuda().eval()(input_ids=ids).logits[:, -1]
+    got = runner.prefill(ids, torch.ones_like(ids)).float()
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
+    print(f"static fp8 engine vs fp32: cosine min {float(cosine.min()):.4f}")
+    assert cosine.min() > 0.98

@@ -133,6 +133,28 @@ def test_fp8_exclude_names_products_of_this_model_and_keys_fp8_engines_only(work
     assert h200.key_settings("fp8")["fp8_exclude"] == ["layers.0.*"] and "fp8_exclude" not in h200.key_settings("bf16")
 
 
+def test_static_fp8_scaling_calibrates_its_build_so_it_needs_the_calibration_text(workdir: Path) -> None:
+    """fp8_scaling static reads calibration.data at build: smelter validate checks that text as it does for
+    int8, and the setting is part of fp8 keys only."""
+    text = llama_decoder(workdir, "[bf16, fp8]").replace("    calibration: {samples: 2}\n",
+                                                         "    calibration: {data: missing.txt}\n")
+    assert load(write(workdir, text)).pipelines["enc"].calibrates() is False  # per-token scales calibrate nothing
+    static = text.replace("format: aoti}", "format: aoti, fp8_scaling: static}")
+    said = problems(write(workdir, static))
+    assert "pipelines.enc.calibration.data" in said and "missing.txt" in said
+    enc = load(write(workdir, static.replace("{data: missing.txt}", "{samples: 2}"))).pipelines["enc"]
+    h200 = enc.targets[2]
+    assert h200.fp8_scaling == "static" and h200.calibrates("fp8") and not h200.calibrates("bf16")
+    assert [c.name for c in enc.candidates() if enc.calibrated(c)] == ["enc/fp8/h200"]
+    assert h200.key_settings("fp8")["fp8_scaling"] == "static" and "fp8_scaling" not in h200.key_settings("bf16")
+    assert ("pipelines.enc.targets.2.fp8_scaling: Input should be 'per-token' or 'static' (got 'dynamic')"
+            in problems(write(workdir, static.replace("static}", "dynamic}"))))
+    without_fp8 = load(write(workdir, static.replace("[bf16, fp8]", "[bf16]").replace("{data: missing.txt}", "{}")))
+    assert [w.split(".yaml:12: ", 1)[1] for w in without_fp8.warnings] == [
+        "pipelines.enc.targets.2.fp8_scaling: target h200 builds no fp8 engine (precisions: bf16), so fp8_scaling "
+        "changes nothing"]
+
+
 def test_candidates_exist_only_where_the_backend_builds_the_precision(workdir: Path) -> None:
     text = llama_decoder(workdir, "[fp32, bf16, int8, fp8]")
     enc = load(write(workdir, text)).pipelines["enc"]

@@ -93,17 +93,37 @@ def _umask() -> int:
     return 0o022
 
 
-def load(path: Path, device: str) -> dict[str, dict[str, torch.Tensor]]:
-    """Each graph's weights by name, read once onto `device`; a tensor graphs share is one tensor."""
-    from safetensors import safe_open
+class WeightsFile:
+    """An engine's weights file, read one graph at a time (a runner that only prefills never reads
+    the decode step's weights); a tensor graphs share is read once and is one tensor."""
 
-    with safe_open(str(path), framework="pt", device=device) as f:
-        raw = (f.metadata() or {}).get(INDEX_KEY)
+    def __init__(self, path: Path, device: str):
+        from safetensors import safe_open
+
+        self.path, self.device = path, device
+        with safe_open(str(path), framework="pt", device=device) as f:
+            raw = (f.metadata() or {}).get(INDEX_KEY)
         if raw is None:
             raise ValueError(f"{path}: no {INDEX_KEY} in its metadata: not an engine's graph weights")
-        index = json.loads(raw)
-        tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
-    return {graph: {name: tensors[key] for name, key in names.items()} for graph, names in index.items()}
+        self.index: dict[str, dict[str, str]] = json.loads(raw)
+        self._read: dict[str, torch.Tensor] = {}
+
+    def graph(self, name: str) -> dict[str, torch.Tensor]:
+        """Graph `name`'s weights by name."""
+        from safetensors import safe_open
+
+        names = self.index[name]
+        missing = sorted({key for key in names.values() if key not in self._read})
+        if missing:
+            with safe_open(str(self.path), framework="pt", device=self.device) as f:
+                self._read.update({key: f.get_tensor(key) for key in missing})
+        return {weight: self._read[key] for weight, key in names.items()}
+
+
+def load(path: Path, device: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Each graph's weights by name, read onto `device`; a tensor graphs share is one tensor."""
+    weights = WeightsFile(path, device)
+    return {graph: weights.graph(graph) for graph in weights.index}
 
 
 class Bound(nn.Module):

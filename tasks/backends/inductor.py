@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import platform
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,20 +119,27 @@ def _exportable_masks(model: torch.nn.Module) -> None:
     model.config._attn_implementation = "sdpa_without_vmap"
 
 
-def prefill_graph(model: torch.nn.Module, causal: bool, fp8: bool, kept: Collection[str] = ()) -> torch.nn.Module:
+def prefill_graph(model: torch.nn.Module, causal: bool, fp8: bool, kept: Collection[str] = (),
+                  input_scales: Mapping[str, float] | None = None) -> torch.nn.Module:
     """smelter's own graph for Llama-family decoders (the only one built in fp8, its `kept` products in
-    bf16), else the HF forward."""
+    bf16, its activations scaled per token or by `input_scales`), else the HF forward."""
     from tasks.backends.llama_graphs import LlamaPrefill
-    from tasks.backends.llama_support import fp8_unsupported, unsupported
+    from tasks.backends.llama_support import unsupported
 
     if fp8:
-        problem = fp8_unsupported(model.config, decoder=causal)
-        if problem:
-            raise BackendUnavailable(problem)
+        _require_fp8(model, causal)
     if causal and unsupported(model.config) is None:
-        return LlamaPrefill(model, fp8=fp8, kept=kept).eval()
+        return LlamaPrefill(model, fp8=fp8, kept=kept, input_scales=input_scales).eval()
     _exportable_masks(model)
     return PrefillGraph(model, causal)
+
+
+def _require_fp8(model: torch.nn.Module, causal: bool) -> None:
+    from tasks.backends.llama_support import fp8_unsupported
+
+    problem = fp8_unsupported(model.config, decoder=causal)
+    if problem:
+        raise BackendUnavailable(problem)
 
 
 @dataclass
@@ -162,10 +169,11 @@ def _export(graph: torch.nn.Module, inputs: tuple[Any, ...], dynamic: tuple[Any,
 
 
 def export_prefill(model: torch.nn.Module, causal: bool, batch: int, seq: int, fp8: bool = False,
-                   weights_as_input: bool = False, kept: Collection[str] = ()) -> Exported:
+                   weights_as_input: bool = False, kept: Collection[str] = (),
+                   input_scales: Mapping[str, float] | None = None) -> Exported:
     """Export (input_ids, attention_mask) -> output with batch and sequence dynamic (Dim.AUTO: named
     ranges hit guards Llama's attention adds)."""
-    graph = prefill_graph(model, causal, fp8, kept)
+    graph = prefill_graph(model, causal, fp8, kept, input_scales)
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
@@ -258,9 +266,12 @@ class InductorRunner(Runner):
         self.input_names = ["input_ids", "attention_mask"]
         self.output_names = ["logits" if self.causal else "last_hidden_state"]
         started = time.perf_counter()
+        import tasks.backends.llama_graphs  # noqa: F401  (registers the smelter:: ops its graphs call)
+
+        self._decode_file = engine_dir / DECODE if sidecar["format"] == "compiled" else None
+        self._decode_graph: torch.nn.Module | None = None
         if sidecar["format"] == "aoti":
             self._prefill = torch._inductor.aoti_load_package(str(engine_dir / PREFILL))
-            self._decode_graph = None
         else:
             cache = engine_dir / COMPILE_CACHE
             if cache.is_file():
@@ -268,12 +279,10 @@ class InductorRunner(Runner):
             if not (engine_dir / WEIGHTS).is_file():
                 raise EngineMismatch(f"inductor engine {engine_dir} has no {WEIGHTS}: it was built before its graphs "
                                      "shared one copy of their weights; rebuild it")
-            weights = graph_weights.load(engine_dir / WEIGHTS, self.device)
-            prefill = graph_weights.Bound(torch.export.load(str(engine_dir / PREFILL)).module(), weights["prefill"])
+            self._weights = graph_weights.WeightsFile(engine_dir / WEIGHTS, self.device)
+            prefill = graph_weights.Bound(torch.export.load(str(engine_dir / PREFILL)).module(),
+                                          self._weights.graph("prefill"))
             self._prefill = torch.compile(prefill, options=_compile_options(target, decode=False))
-            self._decode_graph = (graph_weights.Bound(torch.export.load(str(engine_dir / DECODE)).module(),
-                                                      weights["decode"])
-                                  if (engine_dir / DECODE).is_file() else None)
         self.load_seconds = time.perf_counter() - started
         self._prefill_replayed = sidecar["format"] == "compiled" and prefill_cuda_graphs(target)
         self._config = _Config(sidecar["decoder_config"]) if sidecar.get("decoder_config") else None
@@ -306,11 +315,20 @@ class InductorRunner(Runner):
 
         return cuda_times_ms(lambda: self.prefill(**on_device), warmup, repeats)
 
+    @property
+    def has_decoder(self) -> bool:
+        return self._config is not None and self._decode_file is not None and self._decode_file.is_file()
+
     def decoder(self, batch: int, max_len: int) -> DecodeSession:
-        """A decode session over a fresh cache; compiled (with CUDA graphs where the target asks) on first step."""
-        if self._decode_graph is None or self._config is None:
+        """A decode session over a fresh cache; compiled (with CUDA graphs where the target asks) on first
+        step. The decode-step graph and its weights are read on the first call: a runner that only
+        prefills never reads them."""
+        if not self.has_decoder:
             raise BackendUnavailable("this inductor engine has no decode-step graph (encoders, format aoti, or an "
                                      "architecture the static decoder does not cover)")
+        if self._decode_graph is None:
+            self._decode_graph = graph_weights.Bound(torch.export.load(str(self._decode_file)).module(),
+                                                     self._weights.graph("decode"))
         session = DecodeSession(self._decode_graph, self._config, batch, max_len, self.dtype, self.device)
         session.compile(_compile_options(self.target, decode=True))
         return session
@@ -348,6 +366,21 @@ def _kept_products(target: InductorTarget, config: Any) -> list[str]:
     return kept
 
 
+def _static_fp8(model: torch.nn.Module, calibration: Sequence[Mapping[str, np.ndarray]] | None) -> dict[str, Any]:
+    """Static fp8 input scales from the calibration feeds, with what they were measured on."""
+    from tasks.backends.llama_graphs import FP8_MAX, calibrate_input_amax
+
+    if not calibration:
+        raise ValueError("fp8_scaling static calibrates at build, and no calibration feeds were given")
+    device = next(model.parameters()).device
+    batches = [(torch.as_tensor(np.asarray(f["input_ids"], dtype=np.int64), device=device),
+                torch.as_tensor(np.asarray(f["attention_mask"], dtype=np.int64), device=device)) for f in calibration]
+    amax = calibrate_input_amax(model, batches)
+    return {"scales": {name: max(value, 1e-12) / FP8_MAX for name, value in amax.items()},
+            "batches": len(batches), "tokens": int(sum(int(mask.sum()) for _, mask in batches)),
+            "input_amax": {name: float(f"{value:.4g}") for name, value in amax.items()}}
+
+
 def warm_shapes(profiles: list[ProfileSpec]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """What a build compiles ahead. Prefill: each prompt profile's opt (batch, seq), a prompt profile
     being one without `past` (all profiles if none is). Decode: each profile with `past`, at its min
@@ -367,7 +400,7 @@ def warm_up(runner: InductorRunner, prefill_shapes: list[tuple[int, int]],
         ids = torch.randint(0, vocab, (batch, seq), device=runner.device)
         for _ in range(3 if runner._prefill_replayed else 1):
             runner.prefill(ids, torch.ones_like(ids))
-    if runner._decode_graph is not None:
+    if runner.has_decoder:
         for batch, max_len in decode_shapes:
             session = runner.decoder(batch, max_len)
             tokens = torch.randint(0, vocab, (batch, 1), device=runner.device)
@@ -415,8 +448,10 @@ class InductorBackend(Backend):
                         f"{onnx_path.name}: call build_from_model")
 
     def build_from_model(self, model_dir: Path, task: str, precision: str, target: TargetSpec,
-                         profiles: list[ProfileSpec], out_dir: Path) -> dict[str, Any]:
-        """Export, compile and save the engine; return facts for the manifest (also written to engine.json)."""
+                         profiles: list[ProfileSpec], out_dir: Path,
+                         calibration: Sequence[Mapping[str, np.ndarray]] | None = None) -> dict[str, Any]:
+        """Export, compile and save the engine; return facts for the manifest (also written to engine.json).
+        `calibration`: whole-prompt feeds (input_ids, attention_mask), for a target that calibrates."""
         assert isinstance(target, InductorTarget)
         problem = self.missing(target) or target.precision_problem(precision)
         if precision not in DTYPES:
@@ -433,8 +468,12 @@ class InductorBackend(Backend):
         batch, seq = max(prefill_shapes)
         compiled = target.format == "compiled"
         kept = _kept_products(target, model.config) if precision == "fp8" else []
+        scaling = None
+        if target.calibrates(precision):
+            _require_fp8(model, causal)
+            scaling = _static_fp8(model, calibration)
         prefill = export_prefill(model, causal, max(batch, 2), max(seq, 2), fp8=precision == "fp8",
-                                 weights_as_input=compiled, kept=kept)
+                                 weights_as_input=compiled, kept=kept, input_scales=scaling and scaling["scales"])
         has_decode = causal and compiled and unsupported(model.config) is None
         decode = export_decode(model, dtype, weights_as_input=True) if has_decode else None
         export_seconds = time.perf_counter() - started
@@ -443,6 +482,8 @@ class InductorBackend(Backend):
             "format": target.format, "precision": precision, "task": task, "causal": causal, "device": device,
             "target": target.name, "gpu": gpu.facts() if gpu else None, "versions": versions(),
             "compile_mode": target.compile_mode, "cuda_graphs": target.cuda_graphs, "fp8_kept_bf16": kept,
+            "fp8_scaling": target.fp8_scaling if precision == "fp8" else None,
+            "fp8_calibration": scaling and {k: v for k, v in scaling.items() if k != "scales"},
             "decoder_config": _decoder_config(model.config) if has_decode else None,
             "warm_shapes": {"prefill": prefill_shapes, "decode": decode_shapes if has_decode else []}}
         compile_started = time.perf_counter()

@@ -14,16 +14,26 @@ products instead of seven (one activation quantisation each, in fp8).
   batch size and cache length, and a caller that keeps the cache at fixed addresses can replay the
   step with CUDA graphs. Every row is at the same `pos`.
 
-fp8 (`fp8=True`, prefill only: its products are bound by arithmetic): each layer's weights are
-e4m3 with one scale per output channel, activations are quantised per token as they arrive, and
-products run through `torch._scaled_mm` into bf16. Norms, attention, the embedding and the LM head
-stay bf16, and so do the products named in `kept` (llama_support.product_names).
-The decode step reads weights, so it stays in the model's dtype.
+fp8 (`fp8=True`, prefill only: its products are bound by arithmetic): products run in e4m3 through
+`torch._scaled_mm` into bf16, scaled one of two ways:
+- per token (default): one scale per weight output channel, and each activation row's scale
+  computed as it arrives: no calibration, nothing clipped, but each product's input is read twice
+  (its maximum, then its quantisation);
+- static (`input_scales`, from `calibrate_input_amax` on real text): one scale per product input,
+  fixed at build, so quantising an input is a pointwise step fused into the kernel that produces
+  it. A value past the calibrated range is clipped to it. e4m3 is a floating format, so one scale
+  for all tokens costs precision only for values 2^15 below the largest.
+Norms, attention, the embedding and the LM head stay bf16, and so do the products named in `kept`
+(llama_support.product_names). The decode step reads weights, so it stays in the model's dtype.
+
+Rotary cos/sin come from one op per graph (`smelter::rope`), which Inductor cannot see into: it
+would otherwise inline the cheap-looking table into every layer's q and k kernels, evaluating cos
+and sin per element of q and k (on the H200 those kernels ran at a third of copy bandwidth).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -37,32 +47,62 @@ FP8_MAX = 448.0
 
 
 class _Linear(nn.Module):
-    """One weight matrix: applied as is, or as e4m3 with per-output-channel scales."""
+    """One weight matrix: applied as is, or in e4m3 (per-token scales, or static ones where
+    `input_scale` is given: see the module's docstring).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool):
+    Both run the product through torch._scaled_mm's row-wise recipe (one scale per row of the
+    input, one per output channel of the weight): on the H200, cuBLAS's kernels for it took 4.9 ms
+    over the prefill's 56 fp8 products where its one-scale-per-tensor kernels took 6.2 ms. A static
+    scale is folded into the weight's channel scales, and the rows' scales are then all 1."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool, input_scale: float | None = None):
         super().__init__()
         self.fp8 = fp8
         weight = weight.detach()
+        self.register_buffer("inv_input_scale", None)
         if fp8:
-            scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-            self.weight = nn.Parameter((weight.float() / scale[:, None]).to(FP8), requires_grad=False)
+            scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+            self.weight = nn.Parameter((weight.float() / scale).to(FP8), requires_grad=False)
+            if input_scale is not None:
+                self.register_buffer("inv_input_scale", torch.tensor(1 / input_scale, device=weight.device))
+                scale = scale * input_scale
             self.register_buffer("scale", scale.view(1, -1).contiguous())
         else:
             self.weight = nn.Parameter(weight, requires_grad=False)
             self.scale = None
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, unit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`unit_rows`: ones [rows, 1] in fp32, the row scales of a static product; one tensor shared by
+        every product of a forward saves each its own fill."""
         if not self.fp8:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
-        scale = rows.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-        quantised = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        y = torch._scaled_mm(quantised, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype,
+        if self.inv_input_scale is not None:
+            quantised = (rows.float() * self.inv_input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            row_scale = unit_rows if unit_rows is not None else rows.new_ones(rows.shape[0], 1, dtype=torch.float32)
+        else:
+            row_scale = rows.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+            quantised = (rows.float() / row_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        y = torch._scaled_mm(quantised, self.weight.t(), scale_a=row_scale, scale_b=self.scale, out_dtype=x.dtype,
                              use_fast_accum=True)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+@torch.library.custom_op("smelter::rope", mutates_args=())
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin [*positions.shape, 2 * len(inv_freq)] of the rotary angles, as HF computes them."""
+    freqs = positions.float()[..., None] * inv_freq
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos() * scale, angles.sin() * scale
+
+
+@rope_table.register_fake
+def _rope_table_shape(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (*positions.shape, 2 * inv_freq.shape[0])
+    return (positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32))
 
 
 class _Rope(nn.Module):
@@ -74,15 +114,15 @@ class _Rope(nn.Module):
         self.scale = float(getattr(rotary, "attention_scaling", 1.0))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq
-        angles = torch.cat([freqs, freqs], dim=-1)
-        return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
+        cos, sin = rope_table(positions, self.inv_freq, self.scale)
+        return cos.to(dtype), sin.to(dtype)
 
 
 class _Body(nn.Module):
     """What both graphs share: embedding, layers, final norm, LM head."""
 
-    def __init__(self, model: nn.Module, fp8: bool, kept: Collection[str] = ()):
+    def __init__(self, model: nn.Module, fp8: bool, kept: Collection[str] = (),
+                 input_scales: Mapping[str, float] | None = None):
         super().__init__()
         config = model.config
         problem = fp8_unsupported(config) if fp8 else unsupported(config)
@@ -97,13 +137,18 @@ class _Body(nn.Module):
         self.lm_head = nn.Parameter(model.lm_head.weight.detach(), requires_grad=False)
         self.norm = nn.Parameter(body.norm.weight.detach(), requires_grad=False)
         self.rope = _Rope(body.rotary_emb)
-        unknown = sorted(set(kept) - set(product_names(len(body.layers))))
+        names = product_names(len(body.layers))
+        unknown = sorted(set(kept) - set(names))
         if unknown:
             raise ValueError(f"no such products {unknown}: this model's are layers.0-{len(body.layers) - 1}."
                              f"{'/'.join(PRODUCTS)}")
+        quantised = [name for name in names if fp8 and name not in kept]
+        unscaled = sorted(set(quantised) - set(input_scales)) if input_scales is not None else []
+        if unscaled:
+            raise ValueError(f"static fp8 scales are missing for {unscaled[:4]}{' ...' if len(unscaled) > 4 else ''}")
         self.layers = nn.ModuleList(
             _Layer(layer, self.heads, self.kv_heads, self.head_dim, self.eps,
-                   {p for p in PRODUCTS if fp8 and f"layers.{i}.{p}" not in kept})
+                   {p: (input_scales or {}).get(f"layers.{i}.{p}") for p in PRODUCTS if f"layers.{i}.{p}" in quantised})
             for i, layer in enumerate(body.layers))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,16 +158,50 @@ class _Body(nn.Module):
 class LlamaPrefill(_Body):
     """logits[B, V] of the token after each row's last real token (attention_mask: 1s then 0s)."""
 
-    def __init__(self, model: nn.Module, fp8: bool = False, kept: Collection[str] = ()):
-        super().__init__(model, fp8, kept)
+    def __init__(self, model: nn.Module, fp8: bool = False, kept: Collection[str] = (),
+                 input_scales: Mapping[str, float] | None = None):
+        super().__init__(model, fp8, kept, input_scales)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(torch.arange(input_ids.shape[1], device=input_ids.device), x.dtype)
+        # (from the shape, not numel(): a loaded program's sym_numel breaks torch.compile's graph in two)
+        unit_rows = x.new_ones(x.shape[0] * x.shape[1], 1, dtype=torch.float32)
         for layer in self.layers:
-            x = layer.prefill(x, cos, sin)
+            x = layer.prefill(x, cos, sin, unit_rows)
         last = attention_mask.sum(dim=1).clamp(min=1) - 1
         return self.logits(x[torch.arange(x.shape[0], device=x.device), last])
+
+
+def calibrate_input_amax(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """Each product's largest input magnitude (llama_support.product_names) over the real tokens of
+    `batches` ((input_ids, attention_mask) on the model's device), through the unquantised prefill:
+    ModelOpt's `max` calibration, what static fp8 scales are set from."""
+    graph = LlamaPrefill(model).eval()
+    amax: dict[str, torch.Tensor] = {}
+    real: list[torch.Tensor] = []  # the current batch's real tokens, one flag per row of a product's input
+
+    def observe(name: str) -> Any:
+        def hook(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            rows = args[0].reshape(-1, args[0].shape[-1])[real[0]]
+            if rows.numel():
+                value = rows.abs().amax().float()
+                amax[name] = torch.maximum(amax[name], value) if name in amax else value
+        return hook
+
+    handles = [getattr(layer, product).register_forward_pre_hook(observe(f"layers.{i}.{product}"))
+               for i, layer in enumerate(graph.layers) for product in PRODUCTS]
+    try:
+        with torch.no_grad():
+            for ids, mask in batches:
+                real[:] = [mask.reshape(-1).bool()]
+                graph(ids, mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if len(amax) < len(handles):
+        raise ValueError("fp8 calibration: the calibration feeds hold no real tokens")
+    return {name: float(value) for name, value in amax.items()}
 
 
 class StaticDecoder(_Body):
@@ -144,7 +223,8 @@ class StaticDecoder(_Body):
 
 class _Layer(nn.Module):
     def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, eps: float,
-                 fp8_products: set[str]):
+                 fp8_products: dict[str, float | None]):
+        """fp8_products: the products run in e4m3, each with its static input scale (None: per token)."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         attn, mlp = layer.self_attn, layer.mlp
@@ -153,21 +233,24 @@ class _Layer(nn.Module):
         self.ln2 = frozen(layer.post_attention_layernorm.weight)
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases = [getattr(p, "bias", None) for p in projections]
-        self.qkv = _Linear(torch.cat([p.weight for p in projections]),
-                           torch.cat(biases) if all(b is not None for b in biases) else None, "qkv" in fp8_products)
-        self.o = _Linear(attn.o_proj.weight, None, "o" in fp8_products)
-        self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, "gate_up" in fp8_products)
-        self.down = _Linear(mlp.down_proj.weight, None, "down" in fp8_products)
+        def linear(product: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> _Linear:
+            return _Linear(weight, bias, product in fp8_products, fp8_products.get(product))
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(_rms_norm(x, self.ln2, self.eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        self.qkv = linear("qkv", torch.cat([p.weight for p in projections]),
+                          torch.cat(biases) if all(b is not None for b in biases) else None)
+        self.o = linear("o", attn.o_proj.weight)
+        self.gate_up = linear("gate_up", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        self.down = linear("down", mlp.down_proj.weight)
 
-    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, unit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = self.gate_up(_rms_norm(x, self.ln2, self.eps), unit_rows).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up, unit_rows)
+
+    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unit_rows: torch.Tensor) -> torch.Tensor:
         """x [B, S, hidden] -> the layer's output, causal attention over the whole prompt."""
         batch, seq = x.shape[:2]
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
-        q, k, v = self.qkv(_rms_norm(x, self.ln1, self.eps)).split([h * d, kvh * d, kvh * d], dim=-1)
+        q, k, v = self.qkv(_rms_norm(x, self.ln1, self.eps), unit_rows).split([h * d, kvh * d, kvh * d], dim=-1)
         q = _rope(q.view(batch, seq, h, d).transpose(1, 2), cos, sin)
         k = _rope(k.view(batch, seq, kvh, d).transpose(1, 2), cos, sin)
         v = v.view(batch, seq, kvh, d).transpose(1, 2)
@@ -176,8 +259,8 @@ class _Layer(nn.Module):
         # 0.083 and 0.108 ms with K and V repeated to the query heads' count, which also has the
         # rotary kernel write 4x more.
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != kvh)
-        x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, h * d))
-        return self._mlp(x)
+        x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, h * d), unit_rows)
+        return self._mlp(x, unit_rows)
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
              k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
