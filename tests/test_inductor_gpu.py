@@ -106,38 +106,42 @@ def test_ceilings_are_measured_on_random_data() -> None:
     assert sum(k.get("share", 0) for k in kernels[:-1]) == pytest.approx(1.0, abs=0.01)
 
 
-def test_fp8_engine_builds_and_stays_near_fp32(llama_dir: Path, tmp_path: Path) -> None:
-    """e4m3 products through torch._scaled_mm on the GPU (compute capability 8.9 or more), bf16 elsewhere."""
-    from transformers import AutoModelForCausalLM
-
+def fp8_target(**settings: object) -> InductorTarget:
+    """An fp8 target on this GPU; skips where its compute capability is below 8.9."""
     gpu = detect_gpu()
     if gpu.compute_capability < (8, 9):
         pytest.skip(f"fp8 products need compute capability 8.9 or more; this GPU has {gpu.cc}")
-    target = InductorTarget(name="gpu", backend="inductor", device="cuda", arch=gpu.arch, compile_mode="default",
-                            fp8_exclude=["layers.1.*"])
-    InductorBackend().build_from_model(llama_dir, "text-generation", "fp8", target,
-                                       [ProfileSpec(batch=[1, 4, 4], seq=[1, 8, 8])], tmp_path)
-    kept = json.loads((tmp_path / "engine.json").read_text())["fp8_kept_bf16"]
-    assert kept == ["layers.1.qkv", "layers.1.o", "layers.1.gate_up", "layers.1.down"]
-    runner = InductorBackend().load(tmp_path, target)
+    return InductorTarget(name="gpu", backend="inductor", device="cuda", arch=gpu.arch, compile_mode="default",
+                          **settings)
+
+
+def cosine_vs_fp32(engine: Path, target: InductorTarget, llama_dir: Path) -> float:
+    """The loaded engine's prefill logits against the fp32 model's, the smallest cosine over four prompts."""
+    from transformers import AutoModelForCausalLM
+
+    runner = InductorBackend().load(engine, target)
     ids = torch.randint(0, 512, (4, 8), device="cuda")
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(llama_dir).cuda().eval()(input_ids=ids).logits[:, -1]
     got = runner.prefill(ids, torch.ones_like(ids)).float()
-    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
-    print(f"fp8 engine vs fp32: cosine min {float(cosine.min()):.4f}")
-    assert cosine.min() > 0.98
+    return float(torch.nn.functional.cosine_similarity(got, expected, dim=-1).min())
+
+
+def test_fp8_engine_builds_and_stays_near_fp32(llama_dir: Path, tmp_path: Path) -> None:
+    """e4m3 products through torch._scaled_mm on the GPU (compute capability 8.9 or more), bf16 elsewhere."""
+    target = fp8_target(fp8_exclude=["layers.1.*"])
+    InductorBackend().build_from_model(llama_dir, "text-generation", "fp8", target,
+                                       [ProfileSpec(batch=[1, 4, 4], seq=[1, 8, 8])], tmp_path)
+    kept = json.loads((tmp_path / "engine.json").read_text())["fp8_kept_bf16"]
+    assert kept == ["layers.1.qkv", "layers.1.o", "layers.1.gate_up", "layers.1.down"]
+    cosine = cosine_vs_fp32(tmp_path, target, llama_dir)
+    print(f"fp8 engine vs fp32: cosine min {cosine:.4f}")
+    assert cosine > 0.98
 
 
 def test_a_static_fp8_engine_is_calibrated_at_build(llama_dir: Path, tmp_path: Path) -> None:
     """fp8_scaling static: one scale per product input, from the calibration feeds the build is given."""
-    from transformers import AutoModelForCausalLM
-
-    gpu = detect_gpu()
-    if gpu.compute_capability < (8, 9):
-        pytest.skip(f"fp8 products need compute capability 8.9 or more; this GPU has {gpu.cc}")
-    target = InductorTarget(name="gpu", backend="inductor", device="cuda", arch=gpu.arch, compile_mode="default",
-                            fp8_scaling="static")
+    target = fp8_target(fp8_scaling="static")
     profiles = [ProfileSpec(batch=[1, 4, 4], seq=[1, 8, 8])]
     with pytest.raises(ValueError, match="no calibration feeds"):
         InductorBackend().build_from_model(llama_dir, "text-generation", "fp8", target, profiles, tmp_path)
@@ -149,11 +153,6 @@ def test_a_static_fp8_engine_is_calibrated_at_build(llama_dir: Path, tmp_path: P
     sidecar = json.loads((tmp_path / "engine.json").read_text())
     assert sidecar["fp8_scaling"] == "static" and sidecar["fp8_calibration"]["tokens"] == 128
     assert len(sidecar["fp8_calibration"]["input_amax"]) == 8
-    runner = InductorBackend().load(tmp_path, target)
-    ids = torch.randint(0, 512, (4, 8), device="cuda")
-    with torch.no_grad():
-        expected = AutoModelForCausalLM.from_pretrained(llama_dir).cuda().eval()(input_ids=ids).logits[:, -1]
-    got = runner.prefill(ids, torch.ones_like(ids)).float()
-    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
-    print(f"static fp8 engine vs fp32: cosine min {float(cosine.min()):.4f}")
-    assert cosine.min() > 0.98
+    cosine = cosine_vs_fp32(tmp_path, target, llama_dir)
+    print(f"static fp8 engine vs fp32: cosine min {cosine:.4f}")
+    assert cosine > 0.98
