@@ -162,8 +162,8 @@ def test_static_fp8_scales_are_set_from_real_tokens_only(llama: LlamaForCausalLM
 
 
 def test_static_fp8_prefill_stays_close_to_the_model(llama: LlamaForCausalLM) -> None:
-    """One e4m3 scale per weight and per product input, fixed at build: the exported graph runs, stays
-    near fp32, and clips what lies past the calibrated range instead of overflowing."""
+    """One e4m3 scale per product input, fixed at build: the exported graph runs, stays near fp32, and
+    clips what lies past the calibrated range instead of overflowing."""
     calibration = [(torch.randint(0, 256, (4, 16)), torch.ones(4, 16, dtype=torch.long)) for _ in range(2)]
     scales = {name: amax / FP8_MAX for name, amax in calibrate_input_amax(llama, calibration).items()}
     ids = torch.randint(0, 256, (4, 16))
