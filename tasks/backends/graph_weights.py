@@ -120,12 +120,6 @@ class WeightsFile:
         return {weight: self._read[key] for weight, key in names.items()}
 
 
-def load(path: Path, device: str) -> dict[str, dict[str, torch.Tensor]]:
-    """Each graph's weights by name, read onto `device`; a tensor graphs share is one tensor."""
-    weights = WeightsFile(path, device)
-    return {graph: weights.graph(graph) for graph in weights.index}
-
-
 class Bound(nn.Module):
     """An exported graph whose weights are its first input, bound to weights held here as buffers.
 
