@@ -268,7 +268,8 @@ class InductorRunner(Runner):
         started = time.perf_counter()
         import tasks.backends.llama_graphs  # noqa: F401  (registers the smelter:: ops its graphs call)
 
-        self._decode_file = engine_dir / DECODE if sidecar["format"] == "compiled" else None
+        decode_file = engine_dir / DECODE
+        self._decode_file = decode_file if sidecar["format"] == "compiled" and decode_file.is_file() else None
         self._decode_graph: torch.nn.Module | None = None
         if sidecar["format"] == "aoti":
             self._prefill = torch._inductor.aoti_load_package(str(engine_dir / PREFILL))
@@ -317,7 +318,7 @@ class InductorRunner(Runner):
 
     @property
     def has_decoder(self) -> bool:
-        return self._config is not None and self._decode_file is not None and self._decode_file.is_file()
+        return self._config is not None and self._decode_file is not None
 
     def decoder(self, batch: int, max_len: int) -> DecodeSession:
         """A decode session over a fresh cache; compiled (with CUDA graphs where the target asks) on first
