@@ -47,6 +47,7 @@ benchmark: setup
 	$(BIN)/python benchmarks/int8_cpu_formats.py
 	$(BIN)/python benchmarks/promotion_overhead.py --pipeline minilm
 	$(BIN)/python benchmarks/fleet_roundtrip.py
+	$(BIN)/python benchmarks/program_load.py
 
 clean:
 	rm -rf artifacts/*/ mlruns mlflow.db

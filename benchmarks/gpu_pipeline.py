@@ -196,32 +196,32 @@ def eager_decoder_figures(model: torch.nn.Module, batch: int, seq: int, past: in
 def warm_start(engine: Path, target: dict[str, Any], batch: int, seq: int, decode: list[list[int]],
                profile: bool = False) -> dict[str, Any]:
     """Load the saved engine in a fresh process with an empty Inductor cache; time load and first
-    inference (with `profile`, also where that time goes, as cProfile's top functions).
+    inference (with `profile`, then once more under cProfile, to say where that time goes).
 
-    Run twice, each time with an empty Inductor cache: the first process compiles the bytecode of
-    every module it imports where the install shipped none (the lent H200's image: ~1460 modules,
-    ~5 s), into a fresh PYTHONPYCACHEPREFIX; the second finds it there, as it would in an install
-    pip compiled. The second is the warm start; the first is reported beside it."""
+    Each process starts with an empty Inductor cache. The first compiles the bytecode of every
+    module it imports where the install shipped none (the lent H200's image: ~1460 modules, ~5 s),
+    into a fresh PYTHONPYCACHEPREFIX; the second finds it there, as it would in an install pip
+    compiled. The second is the warm start; the first is reported beside it. The profiled one comes
+    last, so the profiler never slows the figures."""
     bytecode = tempfile.mkdtemp(prefix="pycache-warm-")
     runs = []
-    for _ in range(2):
+    for profiled in (False, False, True) if profile else (False, False):
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-warm-"),
                "PYTHONPYCACHEPREFIX": bytecode}
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_pipeline", "--warm-start", str(engine),
                               "--target", json.dumps(target), "--shape", json.dumps([batch, seq, decode]),
-                              *(["--profile-warm-start"] if profile else [])],
+                              *(["--profile-warm-start"] if profiled else [])],
                              capture_output=True, text=True, env=env, timeout=600)
         if out.returncode != 0:
             return {"error": out.stderr[-3000:]}
         lines = out.stdout.strip().splitlines()
-        figures = json.loads(lines[-1])
-        if profile:
-            figures["profile"] = lines[:-1][:70]
-            figures["timed_under_cprofile"] = True  # Python-heavy steps (deserialising, tracing) run slower
-        runs.append(figures)
-    first, warm = runs
-    return {**warm, "first_process_compiling_bytecode": {k: v for k, v in first.items() if k != "profile"}}
+        runs.append({**json.loads(lines[-1]), **({"profile": lines[:-1][:90]} if profiled else {})})
+    first, warm = runs[:2]
+    result = {**warm, "first_process_compiling_bytecode": first}
+    if profile:
+        result["under_cprofile"] = runs[2]  # Python-heavy steps (deserialising, tracing) run slower under it
+    return result
 
 
 def run_warm_start(engine: Path, target_json: str, shape_json: str, profile: bool) -> None:
@@ -255,8 +255,10 @@ def run_warm_start(engine: Path, target_json: str, shape_json: str, profile: boo
 
         profiler.disable()
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
-        lines = (re.sub(r"/\S*?(site-packages|lib/python3\.\d+)/", "", line) for line in text.getvalue().splitlines())
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(80)
+        repo = f"{Path(__file__).resolve().parents[1]}/"
+        lines = (re.sub(r"/\S*?(site-packages|lib/python3\.\d+)/", "", line).replace(repo, "")
+                 for line in text.getvalue().splitlines())
         print("\n".join(line[:160] for line in lines if line.strip()))
     print(json.dumps(figures))
 
@@ -372,9 +374,10 @@ def decoder_fp8_section(args: argparse.Namespace, work: Path, ceilings: dict[str
     torch.cuda.empty_cache()
     target = {"name": "sm90", "backend": "inductor", "device": "cuda", "arch": detect_gpu().arch,
               "format": "compiled", "compile_mode": args.fp8_compile_mode,
-              "fp8_exclude": args.fp8_exclude.split("|") if args.fp8_exclude else [], "fp8_scaling": args.fp8_scaling}
+              "fp8_exclude": args.fp8_exclude.split("|") if args.fp8_exclude else [], "fp8_scaling": args.fp8_scaling,
+              "fp8_bf16_share": args.fp8_bf16_share}
     calibration = None
-    if args.fp8_scaling == "static":
+    if InductorTarget(**target).calibrates("fp8"):
         calibration = [{"input_ids": ids.cpu().numpy(), "attention_mask": mask.cpu().numpy()}
                        for ids, mask in calibration_windows(batch, seq, args.calibration_batches)]
     engine_dir = work / "engine-llama-fp8"
@@ -386,6 +389,9 @@ def decoder_fp8_section(args: argparse.Namespace, work: Path, ceilings: dict[str
                                      calibration=calibration)
     facts["cold_build_s"] = round(time.perf_counter() - started, 3)
     section["engine_build"] = facts
+    sidecar = json.loads((engine_dir / "engine.json").read_text())
+    section["kept_bf16"] = sidecar["fp8_kept_bf16"]
+    section["sensitivity"] = sidecar["fp8_sensitivity"]
     report.add("decoder_fp8", section)
     runner = backend.load(engine_dir, InductorTarget(**target))
     with torch.no_grad():
@@ -401,9 +407,37 @@ def decoder_fp8_section(args: argparse.Namespace, work: Path, ceilings: dict[str
     report.add("decoder_fp8", section)
     section["warm_start"] = warm_start(engine_dir, target, batch, seq, [], profile=args.profile_warm_start)
     if "load_and_first_prefill_s" in section["warm_start"]:
-        section["warm_start"]["fraction_of_cold_build"] = round(
-            section["warm_start"]["load_and_first_prefill_s"] / facts["cold_build_s"], 3)
+        warm = section["warm_start"]
+        warm["fraction_of_cold_build"] = round(warm["load_and_first_prefill_s"] / facts["cold_build_s"], 3)
+        if sidecar["fp8_sensitivity"]:  # the same, as if the build had not measured sensitivity
+            scan = sidecar["fp8_sensitivity"]["seconds"]
+            warm["fraction_of_cold_build_without_sensitivity"] = round(
+                warm["load_and_first_prefill_s"] / (facts["cold_build_s"] - scan), 3)
     report.add("decoder_fp8", section)
+    del runner
+    torch.cuda.empty_cache()
+    if sidecar["fp8_sensitivity"] and args.fp8_recipe_shares:
+        section["recipes"] = sensitivity_recipes(args, model_dir, LlamaConfig(**config), sidecar["fp8_sensitivity"],
+                                                 batch, seq)
+        report.add("decoder_fp8", section)
+
+
+def sensitivity_recipes(args: argparse.Namespace, model_dir: Path, cfg: Any, sensitivity: dict[str, Any],
+                        batch: int, seq: int) -> dict[str, Any]:
+    """Eager recipes on the fp8 engine's own model, on windows apart from those it is checked on: what
+    each fp8_bf16_share would have kept, beside nothing kept and the first and last layers."""
+    choosing = text_prompts(batch, seq, args.check_batches, 13)
+    model = eager("decoder", model_dir, torch.float32)
+    with torch.no_grad():
+        fp32 = [model(input_ids=c, use_cache=False, logits_to_keep=1).logits[:, -1].float() for c in choosing]
+    del model
+    model = eager("decoder", model_dir, torch.bfloat16)
+    scales = static_scales(model, args, batch, seq) if args.fp8_scaling == "static" else None
+    shares = [float(x) for x in args.fp8_recipe_shares.split(",")]
+    recipes = fp8_recipes(model, choosing, fp32, kept_by_sensitivity(cfg, sensitivity, scales, shares))
+    del model
+    torch.cuda.empty_cache()
+    return recipes
 
 
 def fp8_product_error(shape: gm.DecoderShape, tokens: int) -> dict[str, Any]:
@@ -513,7 +547,7 @@ def prefill_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
                                      args.repeats), "vs_fp32": gm.logit_agreement(fp32, bf16)}
     scales = static_scales(model, args, batch, seq) if args.fp8_recipes or "fp8-static" in args.variants else None
     if args.fp8_recipes:
-        section["fp8_recipes"] = fp8_recipes(model, cfg, choosing, fp32_choosing, scales)
+        section["fp8_recipes"] = fp8_recipes(model, choosing, fp32_choosing, kept_by_globs(cfg, scales))
     report.add("prefill", section)
     for variant in args.variants.split(","):
         precision, mode, globs, extra = (variant.split(":") + ["", ""])[:4]
@@ -548,40 +582,63 @@ def prefill_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
         torch.cuda.empty_cache()
 
 
-def fp8_recipes(model: torch.nn.Module, cfg: Any, prompts_: list[torch.Tensor],
-                fp32: list[torch.Tensor], scales: dict[str, float] | None) -> dict[str, Any]:
-    """Top-1 against fp32 of the eager fp8 prefill for each choice of products kept in bf16 (per-token
-    scales, and static `scales` for two of them), on windows of the evaluation text apart from those
-    the engines are checked on (another seed), so that choosing a recipe here does not tune the figure
-    reported for it. `fixed_vs_all_fp8` and `broken_vs_all_fp8` pair the positions: those a recipe
-    gets right that all-e4m3 gets wrong, and the reverse."""
+def fp8_recipes(model: torch.nn.Module, prompts_: list[torch.Tensor], fp32: list[torch.Tensor],
+                recipes: dict[str, tuple[list[str], dict[str, float] | None]]) -> dict[str, Any]:
+    """Top-1 against fp32 of the eager fp8 prefill for each recipe (name -> products kept in bf16, static
+    input scales or None for per-token ones), on windows of the evaluation text apart from those the
+    engines are checked on (another seed), so that choosing a recipe here does not tune the figure
+    reported for it. `fixed_vs_first` and `broken_vs_first` pair the positions: those a recipe gets
+    right that the first recipe gets wrong, and the reverse."""
     from tasks.backends.llama_graphs import LlamaPrefill
-    from tasks.backends.llama_support import fp8_kept
 
-    last = cfg.num_hidden_layers - 1
-    recipes = {"none": [], "first layer": ["layers.0.*"], "last layer": [f"layers.{last}.*"],
-               "first and last layers": ["layers.0.*", f"layers.{last}.*"],
-               "first two and last two layers": ["layers.[01].*", f"layers.{last - 1}.*", f"layers.{last}.*"],
-               "attention products": ["*.qkv", "*.o"], "down products": ["*.down"]}
-    if scales is not None:
-        recipes |= {"static: none": [], "static: first and last layers": ["layers.0.*", f"layers.{last}.*"]}
     reference = torch.cat([r.argmax(-1) for r in fp32])
     out: dict[str, Any] = {"positions": int(reference.numel())}
     baseline = None
-    for name, globs in recipes.items():
-        kept = fp8_kept(globs, cfg.num_hidden_layers)[0]
-        graph = LlamaPrefill(model, fp8=True, kept=kept, input_scales=scales if name.startswith("static") else None)
+    for name, (kept, scales) in recipes.items():
+        graph = LlamaPrefill(model, fp8=True, kept=kept, input_scales=scales)
         graph.eval()
         with torch.no_grad():
             logits = [graph(p, torch.ones_like(p)).float() for p in prompts_]
         top1 = torch.cat([x.argmax(-1) for x in logits]) == reference
         baseline = top1 if baseline is None else baseline
-        out[name] = {"globs": globs, "kept_products": len(kept), "vs_fp32": gm.logit_agreement(fp32, logits),
-                     "fixed_vs_all_fp8": int((top1 & ~baseline).sum()),
-                     "broken_vs_all_fp8": int((~top1 & baseline).sum())}
+        out[name] = {"kept": kept if len(kept) <= 16 else f"{len(kept)} products", "kept_products": len(kept),
+                     "static_scales": scales is not None, "vs_fp32": gm.logit_agreement(fp32, logits),
+                     "fixed_vs_first": int((top1 & ~baseline).sum()), "broken_vs_first": int((~top1 & baseline).sum())}
         del graph
         torch.cuda.empty_cache()
     return out
+
+
+def kept_by_globs(cfg: Any, scales: dict[str, float] | None) -> dict[str, tuple[list[str], dict[str, float] | None]]:
+    """The prefill section's recipes: products kept bf16 chosen by layer or by kind."""
+    from tasks.backends.llama_support import fp8_kept
+
+    last = cfg.num_hidden_layers - 1
+    globs = {"none": [], "first layer": ["layers.0.*"], "last layer": [f"layers.{last}.*"],
+             "first and last layers": ["layers.0.*", f"layers.{last}.*"],
+             "first two and last two layers": ["layers.[01].*", f"layers.{last - 1}.*", f"layers.{last}.*"],
+             "attention products": ["*.qkv", "*.o"], "down products": ["*.down"]}
+    recipes = {name: (fp8_kept(g, cfg.num_hidden_layers)[0], None) for name, g in globs.items()}
+    if scales is not None:
+        recipes |= {"static: none": ([], scales), "static: first and last layers": (
+            recipes["first and last layers"][0], scales)}
+    return recipes
+
+
+def kept_by_sensitivity(cfg: Any, sensitivity: dict[str, Any], scales: dict[str, float] | None,
+                        shares: list[float]) -> dict[str, tuple[list[str], dict[str, float] | None]]:
+    """Recipes of the decoder_fp8 section on its own model: nothing kept, the first and last layers (the
+    hand-picked recipe of earlier runs), and fp8_bf16_share's choice at each share from the engine's
+    measured sensitivity."""
+    from tasks.backends.llama_support import fp8_kept, keep_sensitive, product_costs
+
+    costs = product_costs(cfg)
+    last = cfg.num_hidden_layers - 1
+    recipes = {"none": ([], scales),
+               "first and last layers": (fp8_kept(["layers.0.*", f"layers.{last}.*"], cfg.num_hidden_layers)[0], scales)}
+    for share in shares:
+        recipes[f"sensitivity share {share}"] = (keep_sensitive(sensitivity["logit_mse"], costs, share, []), scales)
+    return recipes
 
 
 def attention_kernels(cfg: Any, batch: int, seq: int, repeats: int) -> dict[str, Any]:
@@ -652,6 +709,10 @@ def encoder_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
     report.add("encoder", section)
 
 
+def unprofiled(warm: dict[str, Any] | None) -> dict[str, Any] | None:
+    return warm and {k: v for k, v in warm.items() if k not in ("under_cprofile", "profile")}
+
+
 def print_table(data: dict[str, Any]) -> None:
     c = data.get("ceilings", {})
     if c:
@@ -665,14 +726,18 @@ def print_table(data: dict[str, Any]) -> None:
         print(f"  accuracy: engine vs fp32 {json.dumps(dec['engine']['vs_fp32'])}; decode step vs fp32 "
               f"{json.dumps(dec['engine'].get('decode_vs_fp32'))}; eager bf16 vs fp32 "
               f"{json.dumps(dec['eager']['eager_bf16']['vs_fp32'])}; training {json.dumps(dec.get('training'))}")
-        build = ("export_seconds", "compile_seconds", "cold_build_s", "cache_bytes", "engine_bytes")
+        build = ("export_seconds", "calibration_seconds", "compile_seconds", "cold_build_s", "cache_bytes",
+                 "engine_bytes")
         print(f"  build {json.dumps({k: dec['engine_build'].get(k) for k in build})}")
-        print(f"  warm start {json.dumps(dec.get('warm_start'))}")
+        print(f"  warm start {json.dumps(unprofiled(dec.get('warm_start')))}")
     fp8 = data.get("decoder_fp8", {})
     if "prefill" in fp8:
         print(f"decoder fp8 prefill {fp8['prefill']['median_ms']} ms = {fp8['prefill_ms_over_bf16_bound']} x the bf16 "
               f"bound ({fp8['prefill_bf16_bound_ms']} ms), vs fp32 {json.dumps(fp8['vs_fp32'])}, "
               f"build {fp8['engine_build'].get('cold_build_s')} s; products {json.dumps(fp8['products'])}")
+        sensitivity = {k: v for k, v in (fp8.get("sensitivity") or {}).items() if k != "logit_mse"}
+        print(f"  kept bf16 {fp8.get('kept_bf16')}; sensitivity {json.dumps(sensitivity)}; "
+              f"warm start {json.dumps(unprofiled(fp8.get('warm_start')))}")
     enc = data.get("encoder", {})
     if "engine_bf16" in enc:
         for who in ("engine_bf16", "eager_bf16", "eager_fp32"):
@@ -695,8 +760,15 @@ def main() -> None:
                                                           "layers.<i>.qkv|o|gate_up|down, separated by |")
     parser.add_argument("--fp8-scaling", choices=["per-token", "static"], default="per-token",
                         help="the fp8 engine's activation scales (target setting fp8_scaling)")
+    parser.add_argument("--fp8-bf16-share", type=float, default=0.0,
+                        help="the fp8 engine's share of product arithmetic kept bf16 by measured sensitivity "
+                             "(target setting fp8_bf16_share)")
+    parser.add_argument("--fp8-recipe-shares", default="0.0625,0.125,0.1875,0.25",
+                        help="section decoder_fp8 with --fp8-bf16-share: eager top-1 of the products each of these "
+                             "shares would keep bf16, on the engine's own model (empty: none)")
     parser.add_argument("--calibration-batches", type=int, default=16,
-                        help="8-window batches of data/calibration.txt that static fp8 scales are set from")
+                        help="8-window batches of data/calibration.txt the fp8 engine calibrates on (static scales, "
+                             "sensitivity)")
     parser.add_argument("--train-steps", type=int, default=300, help="decoder training on data/calibration.txt")
     parser.add_argument("--sections", default="decoder,encoder")
     parser.add_argument("--variants", default="bf16:max-autotune-no-cudagraphs,bf16:max-autotune,fp8:default,"
@@ -720,7 +792,8 @@ def main() -> None:
         sys.exit("gpu_pipeline needs a CUDA GPU; this torch sees none")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cold-"))
     gpu = detect_gpu()
-    run = {"command": " ".join(["python -m benchmarks.gpu_pipeline", *sys.argv[1:]]),
+    run = {"command": " ".join(["python -m benchmarks.gpu_pipeline",
+                                *(Path(a).name if os.path.isabs(a) else a for a in sys.argv[1:])]),
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "sections": args.sections, "ceilings": {"gemm_bf16": gm.gemm_ceiling(), "copy": gm.copy_bandwidth()}}
     previous = json.loads(args.out.read_text()) if args.append and args.out.is_file() else {}

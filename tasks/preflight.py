@@ -58,12 +58,14 @@ def check(spec: PipelineSpec, *, allow_outside_paths: bool, check_env: bool) -> 
 
 def _idle_fp8_settings(spec: PipelineSpec) -> list[Located]:
     """A target's fp8 settings where it builds no fp8 engine change nothing: probably a missing precision."""
+    from tasks.spec import FP8_SETTINGS
+
     fp8_targets = {c.target for c in spec.candidates() if c.precision == "fp8"}
     idle = []
     for i, target in enumerate(spec.targets):
         if target.name in fp8_targets:
             continue
-        for key in ("fp8_exclude", "fp8_scaling"):
+        for key in FP8_SETTINGS:
             if key in target.model_fields_set:
                 idle.append((("targets", i, key), f"target {target.name} builds no fp8 engine (precisions: "
                                                   f"{', '.join(spec.precisions)}), so {key} changes nothing"))

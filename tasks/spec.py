@@ -400,6 +400,9 @@ class TensorRTTarget(TargetSpec):
         return None
 
 
+FP8_SETTINGS = ("fp8_exclude", "fp8_scaling", "fp8_bf16_share")  # an inductor target's, read by fp8 builds only
+
+
 class InductorTarget(TargetSpec):
     """PyTorch's compiler, built from the model itself (torch.export), on a CUDA GPU or the CPU."""
 
@@ -419,6 +422,10 @@ class InductorTarget(TargetSpec):
         "per-token", description="an fp8 build's activation scales: per-token (computed as each input arrives) "
         "or static (one per product input, calibrated on calibration.data at build: faster; values past the "
         "calibrated range are clipped)")
+    fp8_bf16_share: float = Field(
+        0.0, ge=0.0, le=0.5, description="an fp8 build keeps in bf16 up to this share of its products' arithmetic: "
+        "fp8_exclude's products first, then those whose e4m3 rounding disturbs the logits most per unit of "
+        "arithmetic, measured at build on calibration.data")
     threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="intra-op threads (device: cpu)")
 
     @model_validator(mode="before")
@@ -447,11 +454,11 @@ class InductorTarget(TargetSpec):
         return "gpu" if self.device == "cuda" else "cpu"
 
     def key_settings(self, precision: str | None) -> dict[str, Any]:
-        """fp8_exclude and fp8_scaling shape fp8 engines only: another precision's key leaves them out."""
-        return self.model_dump(mode="json", exclude=None if precision == "fp8" else {"fp8_exclude", "fp8_scaling"})
+        """The fp8_* settings shape fp8 engines only: another precision's key leaves them out."""
+        return self.model_dump(mode="json", exclude=None if precision == "fp8" else set(FP8_SETTINGS))
 
     def calibrates(self, precision: str) -> bool:
-        return precision == "fp8" and self.fp8_scaling == "static"
+        return precision == "fp8" and (self.fp8_scaling == "static" or self.fp8_bf16_share > 0)
 
     def precision_problem(self, precision: str) -> str | None:
         if precision == "fp8" and (self.device != "cuda" or arch_number(self.arch or "sm0") < 89):

@@ -99,19 +99,23 @@ def test_unavailable_backend_says_why_and_writes_nothing(tmp_path: Path) -> None
 
 def test_a_static_fp8_build_depends_on_the_calibration_text_and_reads_whole_prompts(
         tmp_path: Path, tiny_llama_dir: Path) -> None:
-    """fp8_scaling static calibrates the graph it compiles: editing calibration.data rebuilds that engine
-    (its key changes) and no other, and the build is fed whole prompts of real tokens (no KV cache)."""
+    """fp8_scaling static (and fp8_bf16_share) calibrate the graph they compile: editing calibration.data
+    rebuilds that engine (its key changes) and no other, and the build is fed whole prompts of real
+    tokens (no KV cache)."""
     path = write_pipelines(tmp_path, tiny_llama_dir, "text-generation-with-past", precisions=["bf16", "fp8"],
                            targets=[{"name": "h200", "backend": "inductor", "arch": "sm90", "fp8_scaling": "static"}])
     spec = load(path).pipelines["tiny"]
     static = spec.target("h200")
     per_token = static.model_copy(update={"fp8_scaling": "per-token"})
+    sensitive = per_token.model_copy(update={"fp8_bf16_share": 0.1})  # measures sensitivity on the text too
     before = {"static": torch_upstream(spec, static, "fp8"), "per-token": torch_upstream(spec, per_token, "fp8"),
-              "bf16": torch_upstream(spec, static, "bf16")}
+              "sensitive": torch_upstream(spec, sensitive, "fp8"), "bf16": torch_upstream(spec, static, "bf16")}
     assert before["static"]["calibration"]["samples"] == 16 and "calibration" not in before["per-token"]
+    assert before["sensitive"]["calibration"] == before["static"]["calibration"]
     data = tmp_path / "data" / "calibration.txt"
     data.write_text(data.read_text() + "One more line of calibration text.\n")
     assert torch_upstream(spec, static, "fp8") != before["static"]
+    assert torch_upstream(spec, sensitive, "fp8") != before["sensitive"]
     assert torch_upstream(spec, per_token, "fp8") == before["per-token"]
     assert torch_upstream(spec, static, "bf16") == before["bf16"]
     feeds = prompt_calibration(spec)

@@ -15,8 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.inductor import (DecodeSession, EngineMismatch, InductorBackend, export_decode, export_prefill,
                                      load_problem, versions, warm_shapes)
-from tasks.backends.llama_graphs import FP8_MAX, LlamaPrefill, StaticDecoder, calibrate_input_amax, empty_cache
-from tasks.backends.llama_support import fp8_unsupported, product_names
+from tasks.backends.llama_graphs import (FP8_MAX, LlamaPrefill, StaticDecoder, calibrate_input_amax, empty_cache,
+                                         fp8_sensitivity)
+from tasks.backends.llama_support import fp8_unsupported, keep_sensitive, product_costs, product_names
 from tasks.backends.table import BACKENDS
 from tasks.gpu import GpuInfo
 from tasks.spec import InductorTarget, ProfileSpec
@@ -185,6 +186,42 @@ def test_static_fp8_prefill_stays_close_to_the_model(llama: LlamaForCausalLM) ->
     kept = LlamaPrefill(llama, fp8=True, kept=["layers.1.down"],
                         input_scales={k: v for k, v in scales.items() if k != "layers.1.down"})
     assert kept.layers[1].down.weight.dtype == torch.float32
+
+
+def test_fp8_sensitivity_finds_the_products_that_dominate_the_logits_and_errors_add_up(
+        llama: LlamaForCausalLM) -> None:
+    """Each product's logit error alone in e4m3: the products whose output dominates the residual stream
+    (a layer's MLP made 30x louder: down's own rounding, and gate_up's amplified by down) round worst,
+    and the errors of all products add up to the all-e4m3 prefill's (independent noise)."""
+    model = copy.deepcopy(llama)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(30)
+    batches = [(torch.randint(0, 256, (4, 16)), torch.ones(4, 16, dtype=torch.long)) for _ in range(2)]
+    batches[1][1][2, 9:] = 0  # a padded row: only real tokens count, here and below
+    errors = fp8_sensitivity(model, batches)
+    assert list(errors) == product_names(2) and all(e > 0 for e in errors.values())
+    assert set(sorted(errors, key=errors.get)[-2:]) == {"layers.1.gate_up", "layers.1.down"}
+    exact, rounded = LlamaPrefill(model).eval(), LlamaPrefill(model, fp8=True).eval()
+    with torch.no_grad():
+        squared = [(exact.logits(rounded.hidden(ids)) - exact.logits(exact.hidden(ids)))[mask.bool()].pow(2)
+                   for ids, mask in batches]
+    all_e4m3 = float(torch.cat(squared).mean())
+    assert 0.5 < sum(errors.values()) / all_e4m3 < 2, (sum(errors.values()), all_e4m3)
+    assert fp8_sensitivity(model, batches, {name: 1.0 for name in errors}) != errors  # static scales are used
+
+
+def test_keep_sensitive_fills_the_share_with_the_most_error_per_multiply_add(llama: LlamaForCausalLM) -> None:
+    costs = product_costs(llama.config)
+    assert costs["layers.0.qkv"] == 64 * (4 + 2 * 2) * 16 and costs["layers.1.down"] == 128 * 64
+    total = sum(costs.values())
+    errors = dict.fromkeys(costs, 1.0) | {"layers.1.o": 50.0, "layers.0.gate_up": 60.0}
+    # layers.1.o: 50 per 4096; layers.0.gate_up: 60 per 16384; the rest: 1 per their cost
+    assert keep_sensitive(errors, costs, 0.0, []) == []
+    assert keep_sensitive(errors, costs, 4096 / total, []) == ["layers.1.o"]
+    assert keep_sensitive(errors, costs, (4096 + 16384) / total, []) == ["layers.0.gate_up", "layers.1.o"]
+    kept = keep_sensitive(errors, costs, 0.5, ["layers.0.down"])
+    assert "layers.0.down" in kept and "layers.1.o" in kept and sum(costs[n] for n in kept) <= 0.5 * total
+    assert keep_sensitive(errors, costs, 0.01, ["layers.0.down"]) == ["layers.0.down"], "what fp8_exclude keeps stays"
 
 
 def test_fp8_is_refused_with_the_reason(llama: LlamaForCausalLM) -> None:

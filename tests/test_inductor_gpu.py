@@ -156,3 +156,29 @@ def test_a_static_fp8_engine_is_calibrated_at_build(llama_dir: Path, tmp_path: P
     cosine = cosine_vs_fp32(tmp_path, target, llama_dir)
     print(f"static fp8 engine vs fp32: cosine min {cosine:.4f}")
     assert cosine > 0.98
+
+
+def test_an_fp8_engine_keeps_its_most_sensitive_products_in_bf16(llama_dir: Path, tmp_path: Path) -> None:
+    """fp8_bf16_share: fp8_exclude's products, then the products measured most sensitive on the
+    calibration feeds, up to that share of the products' arithmetic."""
+    from transformers import AutoConfig
+
+    from tasks.backends.llama_support import product_costs
+
+    target = fp8_target(fp8_exclude=["layers.0.down"], fp8_bf16_share=0.3)
+    rng = np.random.default_rng(0)
+    calibration = [{"input_ids": rng.integers(0, 512, (4, 16)), "attention_mask": np.ones((4, 16), dtype=np.int64)}
+                   for _ in range(2)]
+    InductorBackend().build_from_model(llama_dir, "text-generation", "fp8", target,
+                                       [ProfileSpec(batch=[1, 4, 4], seq=[1, 8, 8])], tmp_path,
+                                       calibration=calibration)
+    sidecar = json.loads((tmp_path / "engine.json").read_text())
+    kept, sensitivity = sidecar["fp8_kept_bf16"], sidecar["fp8_sensitivity"]
+    print(f"fp8 sensitivity: kept {kept}, {json.dumps({k: v for k, v in sensitivity.items() if k != 'logit_mse'})}")
+    costs = product_costs(AutoConfig.from_pretrained(llama_dir))
+    assert "layers.0.down" in kept and len(kept) > 1
+    assert sum(costs[n] for n in kept) <= 0.3 * sum(costs.values()) and sensitivity["kept_share"] <= 0.3
+    assert len(sensitivity["logit_mse"]) == 8 and sensitivity["error_kept_share"] > 0
+    cosine = cosine_vs_fp32(tmp_path, target, llama_dir)
+    print(f"fp8 engine with its sensitive products in bf16 vs fp32: cosine min {cosine:.4f}")
+    assert cosine > 0.98

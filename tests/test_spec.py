@@ -155,6 +155,24 @@ def test_static_fp8_scaling_calibrates_its_build_so_it_needs_the_calibration_tex
         "changes nothing"]
 
 
+def test_fp8_bf16_share_calibrates_fp8_builds_only_and_is_bounded(workdir: Path) -> None:
+    """fp8_bf16_share measures each product's sensitivity on calibration.data at build: it makes the fp8
+    build calibrate (so validate checks the text and the key covers it), and keys fp8 engines only."""
+    text = llama_decoder(workdir, "[bf16, fp8]").replace("format: aoti}", "format: aoti, fp8_bf16_share: 0.1}")
+    enc = load(write(workdir, text)).pipelines["enc"]
+    h200 = enc.targets[2]
+    assert h200.fp8_bf16_share == 0.1 and h200.fp8_scaling == "per-token"
+    assert h200.calibrates("fp8") and not h200.calibrates("bf16")
+    assert [c.name for c in enc.candidates() if enc.calibrated(c)] == ["enc/fp8/h200"]
+    assert h200.key_settings("fp8")["fp8_bf16_share"] == 0.1 and "fp8_bf16_share" not in h200.key_settings("bf16")
+    assert ("pipelines.enc.targets.2.fp8_bf16_share: Input should be less than or equal to 0.5 (got 0.8)"
+            in problems(write(workdir, text.replace("0.1}", "0.8}"))))
+    without_fp8 = load(write(workdir, text.replace("[bf16, fp8]", "[bf16]")))
+    assert [w.split(".yaml:12: ", 1)[1] for w in without_fp8.warnings] == [
+        "pipelines.enc.targets.2.fp8_bf16_share: target h200 builds no fp8 engine (precisions: bf16), so "
+        "fp8_bf16_share changes nothing"]
+
+
 def test_candidates_exist_only_where_the_backend_builds_the_precision(workdir: Path) -> None:
     text = llama_decoder(workdir, "[fp32, bf16, int8, fp8]")
     enc = load(write(workdir, text)).pipelines["enc"]

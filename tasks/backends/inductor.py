@@ -34,6 +34,7 @@ import torch
 
 from tasks.backends import graph_weights
 from tasks.backends.base import Backend, BackendUnavailable, Runner
+from tasks.backends.program_load import load_program
 from tasks.gpu import GpuInfo, detect_gpu
 from tasks.spec import InductorTarget, ProfileSpec, TargetSpec
 
@@ -281,7 +282,7 @@ class InductorRunner(Runner):
                 raise EngineMismatch(f"inductor engine {engine_dir} has no {WEIGHTS}: it was built before its graphs "
                                      "shared one copy of their weights; rebuild it")
             self._weights = graph_weights.WeightsFile(engine_dir / WEIGHTS, self.device)
-            prefill = graph_weights.Bound(torch.export.load(str(engine_dir / PREFILL)).module(),
+            prefill = graph_weights.Bound(load_program(engine_dir / PREFILL).module(),
                                           self._weights.graph("prefill"))
             self._prefill = torch.compile(prefill, options=_compile_options(target, decode=False))
         self.load_seconds = time.perf_counter() - started
@@ -328,7 +329,7 @@ class InductorRunner(Runner):
             raise BackendUnavailable("this inductor engine has no decode-step graph (encoders, format aoti, or an "
                                      "architecture the static decoder does not cover)")
         if self._decode_graph is None:
-            self._decode_graph = graph_weights.Bound(torch.export.load(str(self._decode_file)).module(),
+            self._decode_graph = graph_weights.Bound(load_program(self._decode_file).module(),
                                                      self._weights.graph("decode"))
         session = DecodeSession(self._decode_graph, self._config, batch, max_len, self.dtype, self.device)
         session.compile(_compile_options(self.target, decode=True))
@@ -367,19 +368,45 @@ def _kept_products(target: InductorTarget, config: Any) -> list[str]:
     return kept
 
 
-def _static_fp8(model: torch.nn.Module, calibration: Sequence[Mapping[str, np.ndarray]] | None) -> dict[str, Any]:
+def _device_batches(model: torch.nn.Module, target: InductorTarget,
+                    calibration: Sequence[Mapping[str, np.ndarray]] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The calibration feeds as (input_ids, attention_mask) on the model's device."""
+    if not calibration:
+        raise ValueError(f"target {target.name} calibrates its fp8 build (fp8_scaling static or fp8_bf16_share), "
+                         "and no calibration feeds were given")
+    device = next(model.parameters()).device
+    return [(torch.as_tensor(np.asarray(f["input_ids"], dtype=np.int64), device=device),
+             torch.as_tensor(np.asarray(f["attention_mask"], dtype=np.int64), device=device)) for f in calibration]
+
+
+def _static_fp8(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     """Static fp8 input scales from the calibration feeds, with what they were measured on."""
     from tasks.backends.llama_graphs import FP8_MAX, calibrate_input_amax
 
-    if not calibration:
-        raise ValueError("fp8_scaling static calibrates at build, and no calibration feeds were given")
-    device = next(model.parameters()).device
-    batches = [(torch.as_tensor(np.asarray(f["input_ids"], dtype=np.int64), device=device),
-                torch.as_tensor(np.asarray(f["attention_mask"], dtype=np.int64), device=device)) for f in calibration]
     amax = calibrate_input_amax(model, batches)
     return {"scales": {name: max(value, 1e-12) / FP8_MAX for name, value in amax.items()},
             "batches": len(batches), "tokens": int(sum(int(mask.sum()) for _, mask in batches)),
             "input_amax": {name: float(f"{value:.4g}") for name, value in amax.items()}}
+
+
+def _sensitive_kept(model: torch.nn.Module, target: InductorTarget, kept: list[str],
+                    batches: list[tuple[torch.Tensor, torch.Tensor]],
+                    scales: Mapping[str, float] | None) -> tuple[list[str], dict[str, Any]]:
+    """`kept` and the products fp8 rounds worst per unit of arithmetic, up to target.fp8_bf16_share of it,
+    with the measurement they were chosen by."""
+    from tasks.backends.llama_graphs import fp8_sensitivity
+    from tasks.backends.llama_support import keep_sensitive, product_costs
+
+    started = time.perf_counter()
+    errors = fp8_sensitivity(model, batches, scales)
+    costs = product_costs(model.config)
+    chosen = keep_sensitive(errors, costs, target.fp8_bf16_share, kept)
+    total = sum(errors.values())
+    return chosen, {
+        "share": target.fp8_bf16_share, "kept_share": round(sum(costs[n] for n in chosen) / sum(costs.values()), 4),
+        "error_kept_share": round(sum(errors[n] for n in chosen) / total, 4) if total else 0.0,
+        "seconds": round(time.perf_counter() - started, 3),
+        "logit_mse": {name: float(f"{value:.4g}") for name, value in errors.items()}}
 
 
 def warm_shapes(profiles: list[ProfileSpec]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -469,15 +496,22 @@ class InductorBackend(Backend):
         batch, seq = max(prefill_shapes)
         compiled = target.format == "compiled"
         kept = _kept_products(target, model.config) if precision == "fp8" else []
-        scaling = None
+        scaling = sensitivity = None
+        calibration_started = time.perf_counter()
         if target.calibrates(precision):
             _require_fp8(model, causal)
-            scaling = _static_fp8(model, calibration)
+            batches = _device_batches(model, target, calibration)
+            if target.fp8_scaling == "static":
+                scaling = _static_fp8(model, batches)
+            if target.fp8_bf16_share:
+                kept, sensitivity = _sensitive_kept(model, target, kept, batches, scaling and scaling["scales"])
+            del batches
+        calibration_seconds = time.perf_counter() - calibration_started
         prefill = export_prefill(model, causal, max(batch, 2), max(seq, 2), fp8=precision == "fp8",
                                  weights_as_input=compiled, kept=kept, input_scales=scaling and scaling["scales"])
         has_decode = causal and compiled and unsupported(model.config) is None
         decode = export_decode(model, dtype, weights_as_input=True) if has_decode else None
-        export_seconds = time.perf_counter() - started
+        export_seconds = time.perf_counter() - started - calibration_seconds
         gpu = detect_gpu() if device == "cuda" else None
         sidecar: dict[str, Any] = {
             "format": target.format, "precision": precision, "task": task, "causal": causal, "device": device,
@@ -485,6 +519,7 @@ class InductorBackend(Backend):
             "compile_mode": target.compile_mode, "cuda_graphs": target.cuda_graphs, "fp8_kept_bf16": kept,
             "fp8_scaling": target.fp8_scaling if precision == "fp8" else None,
             "fp8_calibration": scaling and {k: v for k, v in scaling.items() if k != "scales"},
+            "fp8_sensitivity": sensitivity,
             "decoder_config": _decoder_config(model.config) if has_decode else None,
             "warm_shapes": {"prefill": prefill_shapes, "decode": decode_shapes if has_decode else []}}
         compile_started = time.perf_counter()
@@ -507,7 +542,7 @@ class InductorBackend(Backend):
                 raise RuntimeError("torch.compiler.save_cache_artifacts() returned nothing after compiling")
             (out_dir / COMPILE_CACHE).write_bytes(artifacts[0])
             cache_bytes = len(artifacts[0])
-        sidecar.update({"export_seconds": round(export_seconds, 3),
+        sidecar.update({"export_seconds": round(export_seconds, 3), "calibration_seconds": round(calibration_seconds, 3),
                         "compile_seconds": round(time.perf_counter() - compile_started, 3),
                         "cache_bytes": cache_bytes})
         engine_bytes = sum((out_dir / f).stat().st_size for f in (PREFILL, DECODE, WEIGHTS) if (out_dir / f).is_file())
@@ -515,7 +550,8 @@ class InductorBackend(Backend):
         (out_dir / SIDECAR).write_text(json.dumps(sidecar, indent=2))
         return {"backend": self.name, "backend_version": self.version(), "engine_file": PREFILL,
                 "engine_bytes": engine_bytes, "sidecar": SIDECAR, **{k: sidecar[k] for k in (
-                    "format", "gpu", "versions", "export_seconds", "compile_seconds", "cache_bytes")}}
+                    "format", "gpu", "versions", "export_seconds", "calibration_seconds", "compile_seconds",
+                    "cache_bytes")}}
 
     @staticmethod
     def _vocab(model_dir: Path) -> int:

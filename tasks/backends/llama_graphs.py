@@ -163,14 +163,19 @@ class LlamaPrefill(_Body):
         super().__init__(model, fp8, kept, input_scales)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        x = self.hidden(input_ids)
+        last = attention_mask.sum(dim=1).clamp(min=1) - 1
+        return self.logits(x[torch.arange(x.shape[0], device=x.device), last])
+
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The last layer's output [B, S, hidden] at every position (before the final norm)."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(torch.arange(input_ids.shape[1], device=input_ids.device), x.dtype)
         # (from the shape, not numel(): a loaded program's sym_numel breaks torch.compile's graph in two)
         unit_rows = x.new_ones(x.shape[0] * x.shape[1], 1, dtype=torch.float32)
         for layer in self.layers:
             x = layer.prefill(x, cos, sin, unit_rows)
-        last = attention_mask.sum(dim=1).clamp(min=1) - 1
-        return self.logits(x[torch.arange(x.shape[0], device=x.device), last])
+        return x
 
 
 def calibrate_input_amax(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
@@ -202,6 +207,44 @@ def calibrate_input_amax(model: nn.Module, batches: Iterable[tuple[torch.Tensor,
     if len(amax) < len(handles):
         raise ValueError("fp8 calibration: the calibration feeds hold no real tokens")
     return {name: float(value) for name, value in amax.items()}
+
+
+def fp8_sensitivity(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                    input_scales: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Each product's fp8 error as the logits see it: the mean squared change of every logit at every
+    real token of `batches` ((input_ids, attention_mask) on the model's device) when that product
+    alone runs in e4m3 (with `input_scales`, else per-token scales). Independent rounding errors add
+    up, so these say what keeping each product in bf16 buys (llama_support.keep_sensitive).
+
+    The logits' change is the final norm's change dh times the LM head W, so its squared sum over the
+    vocabulary is dh·(WᵀW)·dh: no [tokens, vocab] tensor is made."""
+    graph = LlamaPrefill(model).eval()
+    head = graph.lm_head.float()
+    gram = head.t() @ head
+    batches = list(batches)
+
+    def final_norm(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(graph.hidden(ids), graph.norm, graph.eps)[mask.bool()].float()
+
+    errors: dict[str, float] = {}
+    with torch.no_grad():
+        reference = [final_norm(ids, mask) for ids, mask in batches]
+        entries = sum(r.shape[0] for r in reference) * head.shape[0]
+        if not entries:
+            raise ValueError("fp8 sensitivity: the calibration feeds hold no real tokens")
+        for i, layer in enumerate(graph.layers):
+            for product in PRODUCTS:
+                exact = getattr(layer, product)
+                name = f"layers.{i}.{product}"
+                scale = input_scales[name] if input_scales is not None else None
+                setattr(layer, product, _Linear(exact.weight, exact.bias, fp8=True, input_scale=scale))
+                total = 0.0
+                for (ids, mask), expected in zip(batches, reference):
+                    change = final_norm(ids, mask) - expected
+                    total += float(((change @ gram) * change).sum())
+                errors[name] = total / entries
+                setattr(layer, product, exact)
+    return errors
 
 
 class StaticDecoder(_Body):

@@ -61,3 +61,26 @@ def fp8_kept(globs: list[str], layers: int) -> tuple[list[str], list[tuple[int, 
                                 f"layers.<0-{layers - 1}>.{'|'.join(PRODUCTS)}"))
         kept.update(matched)
     return [name for name in names if name in kept], problems
+
+
+def product_costs(config: Any) -> dict[str, int]:
+    """Each product's multiply-adds per token, by name in graph order: what keeping it in bf16 costs."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = config.num_key_value_heads or heads
+    hidden, inner = config.hidden_size, config.intermediate_size
+    per_layer = {"qkv": hidden * (heads + 2 * kv_heads) * head_dim, "o": heads * head_dim * hidden,
+                 "gate_up": hidden * 2 * inner, "down": inner * hidden}
+    return {name: per_layer[name.rsplit(".", 1)[1]] for name in product_names(config.num_hidden_layers)}
+
+
+def keep_sensitive(errors: dict[str, float], costs: dict[str, int], share: float, kept: list[str]) -> list[str]:
+    """`kept`, then the products with the most fp8 error per multiply-add, while all kept products' cost
+    stays within `share` of all products' (a knapsack filled greedily); in graph order."""
+    budget = share * sum(costs.values()) - sum(costs[name] for name in kept)
+    chosen = set(kept)
+    for name in sorted(errors, key=lambda n: (-errors[n] / costs[n], n)):
+        if name not in chosen and costs[name] <= budget:
+            chosen.add(name)
+            budget -= costs[name]
+    return [name for name in costs if name in chosen]
