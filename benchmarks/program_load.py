@@ -14,6 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ from tasks.backends.program_load import load_program  # noqa: E402
 from tasks.stats import paired_ratio  # noqa: E402
 
 
-def timed(load, path: Path) -> float:  # noqa: ANN001
+def timed(load: Callable[[Path], object], path: Path) -> float:
     started = time.perf_counter()
     load(path)
     return time.perf_counter() - started
