@@ -1,10 +1,12 @@
-"""Which int8 graph ONNX Runtime runs fast on x86, and what each costs in accuracy, on the real MiniLM.
+"""Which graph ONNX Runtime runs fast on x86, and what each costs in accuracy, on the real MiniLM.
 
-Prints, for one batch x seq, side by side: PyTorch eager FP32, ONNX Runtime FP32, the
-TensorRT-style S8 Q/DQ graph (model.onnx of the int8 precision stage) and the CPU int8 graphs
-(model.cpu.onnx, dynamic and qdq-u8s8): mean latency, throughput relative to eager, and
-mean/min cosine of the mean-pooled sentence embeddings vs PyTorch FP32 on held-out real text.
-Engines are timed round-robin so a noisy shared machine slows them all alike.
+Prints the CPU's ISA flags, then for one batch x seq, side by side: PyTorch eager FP32, ONNX Runtime
+FP32 (ORT's own fusions, and the transformer optimizer's fused Attention/SkipLayerNorm/BiasGelu), the
+TensorRT-style S8 Q/DQ graph (model.onnx of the int8 precision stage), the CPU int8 graphs
+(model.cpu.onnx, dynamic and qdq-u8s8) and dynamic int8 of the transformer-optimized graph with and
+without per-channel weights: median latency, speed vs eager with its 95% interval (paired rounds,
+tasks.stats.paired_ratio), and mean/min cosine of the mean-pooled sentence embeddings vs PyTorch FP32
+on held-out real text. Engines are timed round-robin so a noisy shared machine slows them all alike.
 
     python benchmarks/int8_cpu_formats.py --exclude-nodes '*[0-9]/output/dense/MatMul'
 """
@@ -12,6 +14,7 @@ Engines are timed round-robin so a noisy shared machine slows them all alike.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import statistics
 import tempfile
 import time
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 import yaml
@@ -28,7 +32,9 @@ from tasks.accuracy import cosine, mean_pool
 from tasks.export import run_export
 from tasks.inputs import encoder_feeds, read_texts, reference_outputs
 from tasks.models import load_reference, load_tokenizer
+from tasks.backends.onnxruntime import cpu_isa
 from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, run_precision
+from tasks.stats import paired_ratio
 from tasks.store import ArtifactStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +54,7 @@ def _spec(root: Path, args: argparse.Namespace, cpu_format: str) -> spec_module.
     }
     path = root / f"pipelines-{cpu_format}.yaml"
     path.write_text(yaml.safe_dump({"pipelines": {"minilm": pipeline}}))
-    return spec_module.load(path).pipelines["minilm"]
+    return spec_module.load(path, allow_outside_paths=True).pipelines["minilm"]
 
 
 def _session_runner(path: Path, threads: int) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
@@ -57,6 +63,22 @@ def _session_runner(path: Path, threads: int) -> Callable[[dict[str, np.ndarray]
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     return lambda feeds: session.run(None, {n: feeds[n] for n in names})[0]
+
+
+def _transformer_optimized(source: Path, target: Path, num_heads: int, hidden: int) -> None:
+    """onnxruntime.transformers' BERT fusions: one Attention op per layer, SkipLayerNorm, BiasGelu."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    optimize_model(str(source), model_type="bert", num_heads=num_heads, hidden_size=hidden,
+                   opt_level=0).save_model_to_file(str(target))
+
+
+def _dynamic_int8(source: Path, target: Path, per_channel: bool, exclude: list[str]) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(source, target, per_channel=per_channel, weight_type=QuantType.QInt8,
+                     op_types_to_quantize=["MatMul", "Attention"], nodes_to_exclude=exclude,
+                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})  # contrib ops' outputs are untyped
 
 
 def main() -> None:
@@ -91,8 +113,20 @@ def main() -> None:
         def eager(feeds: dict[str, np.ndarray]) -> np.ndarray:
             return reference_outputs(reference, feeds, "feature-extraction")["last_hidden_state"]
 
+        config = reference.config
+        fused = root / "fused.onnx"
+        _transformer_optimized(exported.file(MODEL_FILE), fused, config.num_attention_heads, config.hidden_size)
+        fused_names = [n.name for n in onnx.load(str(fused)).graph.node]
+        print("transformer-optimized graph ops:", sorted({n.op_type for n in onnx.load(str(fused)).graph.node}))
+        # exclusions by name: the FFN output MatMuls keep their names through these fusions
+        fused_excluded = sorted({n for pattern in args.exclude_nodes for n in fnmatch.filter(fused_names, pattern)})
+        for per_channel in (True, False):
+            _dynamic_int8(fused, root / f"fused-int8-{per_channel}.onnx", per_channel, fused_excluded)
         engines = {
             "pytorch eager fp32": eager,
+            "ort fp32 fused attention": _session_runner(fused, args.threads),
+            "ort int8 fused per-ch": _session_runner(root / "fused-int8-True.onnx", args.threads),
+            "ort int8 fused per-tensor": _session_runner(root / "fused-int8-False.onnx", args.threads),
             "ort fp32": _session_runner(exported.file(MODEL_FILE), args.threads),
             "ort int8 tensorrt-qdq": _session_runner(int8["dynamic"].file(MODEL_FILE), args.threads),
             "ort int8 cpu dynamic": _session_runner(int8["dynamic"].file(CPU_MODEL_FILE), args.threads),
@@ -115,13 +149,15 @@ def main() -> None:
                 run(feeds)
                 timings[name].append((time.perf_counter() - start) * 1000)
 
-    eager_ms = statistics.mean(timings["pytorch eager fp32"])
-    print(f"\nbatch {args.batch} x seq {args.seq}, {args.threads} threads, {args.repeats} repeats round-robin, "
+    isa = cpu_isa()
+    print(f"\ncpu {isa['cpu']}; flags {' '.join(isa['isa'])}; onnxruntime {ort.__version__}, torch {torch.__version__}")
+    print(f"batch {args.batch} x seq {args.seq}, {args.threads} threads, {args.repeats} rounds round-robin, "
           f"cosine on {len(texts)} lines of {spec.accuracy.data}")
-    print(f"{'engine':24} {'mean ms':>9} {'median ms':>10} {'x eager':>8} {'cos mean':>9} {'cos min':>8}")
+    print(f"{'engine':26} {'median ms':>10} {'x eager [95% interval]':>24} {'cos mean':>9} {'cos min':>8}")
+    eager_times = tuple(timings["pytorch eager fp32"])
     for name in engines:
-        mean_ms = statistics.mean(timings[name])
-        print(f"{name:24} {mean_ms:9.1f} {statistics.median(timings[name]):10.1f} {eager_ms / mean_ms:8.2f} "
+        ratio = paired_ratio(eager_times, tuple(timings[name]))
+        print(f"{name:26} {statistics.median(timings[name]):10.1f} {ratio.text():>24} "
               f"{np.mean(cosines[name]):9.4f} {np.min(cosines[name]):8.4f}")
 
 

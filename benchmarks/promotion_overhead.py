@@ -1,7 +1,9 @@
 """What promotion's safety costs per registered engine: the pre-registration check and the promotion lock.
 
-  check:        sha256 of every engine file against its build manifest + load + one run at the min
-                point (tasks/engine_check.py), on each build of a pipeline in the artifact store;
+  bytes:        reading every byte of each engine file and hashing it (no cache: what the check and the
+                upload digest cost since rot under unchanged file stamps must be caught);
+  check:        that, compared with the build manifest, + load + one run at the min point
+                (tasks/engine_check.py), on each build of a pipeline in the artifact store;
   file lock:    acquiring and releasing the host's promotion lock alone;
   prefect lock: the same with the Prefect global concurrency limit (a temporary Prefect server that
                 this script starts, as `smelter run` does).
@@ -60,8 +62,9 @@ def main() -> None:
         print(f"no builds of {args.pipeline} under {store.root}: run `smelter run --pipeline {args.pipeline}` first")
     for build in found:
         size = sum(meta["bytes"] for meta in build.manifest["files"].values())
-        label = f"check {build.outputs.get('precision')}/{build.outputs.get('target')} ({size / 1e6:.1f} MB)"
-        spread(label, lambda: engine_check.check_before_registering(spec, stages | {"build": build}, None),
+        name = f"{build.outputs.get('precision')}/{build.outputs.get('target')} ({size / 1e6:.1f} MB)"
+        spread(f"bytes {name}", lambda: engine_check.read_digests(build), args.repeats)
+        spread(f"check {name}", lambda: engine_check.check_before_registering(spec, stages | {"build": build}, None),
                args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ[locks.LOCK_DIR_ENV] = tmp

@@ -53,9 +53,15 @@ def _parser() -> argparse.ArgumentParser:
     with_file(sub.add_parser("validate", help="check the pipelines file and exit"))
     notify = with_file(sub.add_parser("notify", help="webhook deliveries"))
     notify.add_argument("--retry", action="store_true", required=True, help="send every pending event again")
-    webhooks = with_file(sub.add_parser("webhooks", help="MLflow's own registry webhooks"), select=False)
-    webhooks.add_argument("action", choices=["sync"],
-                          help="sync: mirror the file's webhooks into the MLflow server's registry webhooks")
+    webhooks = sub.add_parser("webhooks", help="MLflow's own registry webhooks")
+    webhook_actions = webhooks.add_subparsers(dest="action", required=True)
+    with_file(webhook_actions.add_parser(
+        "sync", help="mirror the file's webhooks into the MLflow server's registry webhooks",
+        description="Make the MLflow server's registry webhooks (MLFLOW_TRACKING_URI) match the file: one per "
+                    "distinct (url, secret_env), named smelter-<hash>; creates, updates, and deletes the ones of "
+                    "ours the file no longer names. Webhooks made by others are left alone. The server refuses "
+                    "http:// URLs unless it runs with MLFLOW_WEBHOOK_ALLOWED_SCHEMES=http,https, and private or "
+                    "unresolvable hosts unless it runs with MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS=true."), select=False)
     deploy = with_file(sub.add_parser("deploy", help="serve the scheduled deployments, or register them on work pools"),
                        select=False)
     deploy.add_argument("--pools", action="store_true",
@@ -71,6 +77,25 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--batch", type=int, help="batch size (default: the pipeline's gate point)")
     compare.add_argument("--seq", type=int, help="sequence length (default: the pipeline's gate point)")
     compare.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    capacity = with_file(sub.add_parser("capacity", help="GPUs that serve N tokens/day with a registered engine"),
+                         select=False)
+    source = capacity.add_mutually_exclusive_group(required=True)
+    source.add_argument("registered_model", nargs="?", help="e.g. llama-sm90 (<pipeline>-<target>)")
+    source.add_argument("--figures", metavar="PATH",
+                        help="measured figures as JSON instead of the registry (smelter's shape or a gpu_pipeline "
+                             "results file)")
+    capacity.add_argument("--version", help="registry version (default: the pipeline's promotion alias)")
+    capacity.add_argument("--profiles-of", metavar="PIPELINE",
+                          help="with --figures: check the mix against this pipeline's profiles")
+    capacity.add_argument("--tokens-per-day", type=float, required=True, help="N, e.g. 1e9")
+    capacity.add_argument("--prompt", type=int, required=True, help="prompt tokens per request")
+    capacity.add_argument("--answer", type=int, required=True, help="answer (generated) tokens per request")
+    capacity.add_argument("--slo-ms", type=float, required=True, help="p99 request latency limit, ms")
+    capacity.add_argument("--utilisation", type=float, default=0.6, help="target GPU utilisation (default: %(default)s)")
+    capacity.add_argument("--count", choices=["all", "answer"], default="all",
+                          help="which tokens N counts: prompt + answer (all) or answer only (default: %(default)s)")
+    capacity.add_argument("--gpus-per-host", type=int, help="also answer in hosts of this many GPUs")
+    capacity.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
 
 
@@ -147,6 +172,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     selected = _selected(specs, args)
     for note in _warnings(selected):
         print(note, file=sys.stderr)
+    from tasks.mlflow_webhooks import default_guard_warnings
+
+    for note in default_guard_warnings(specs):
+        print(f"warning: {note}", file=sys.stderr)
     count = sum(len(s.candidates()) for s in selected)
     print(f"{args.file}: ok ({len(selected)} pipelines, {count} candidates)")
     return EXIT_OK
@@ -192,14 +221,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any) -> int:
+    from flows import progress
     from tasks.spec import SpecError
 
-    _check_services(mlflow=True, prefect=True)
-    from flows import progress
-    from flows.nightly import nightly_flow
-
-    for note in _warnings(_selected(specs, args)):
-        print(note, file=sys.stderr)
     pipelines = args.pipeline or sorted({c.pipeline for c in selected}, key=list(specs.pipelines).index)
     progress.set_level(progress.QUIET if args.quiet else progress.VERBOSE if args.verbose else progress.NORMAL)
     log_path = Path(args.artifacts) / "_logs" / f"run-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.log"
@@ -208,14 +232,23 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
     except OSError as e:
         raise SpecError([f"{args.file}: --artifacts {args.artifacts}: cannot keep the run's log in "
                          f"{log_path.parent}: {e.strerror}"]) from e
-    progress.message(f"smelter: {len(selected)} candidates in {len(pipelines)} pipelines"
-                     + ("" if args.verbose else f"; library output in {log_path}"))
-    # stdout is the summary's: libraries' prints go to stderr (--verbose) or the log file
+    # From here on libraries' prints (MLflow creating its tables, import-time warnings, Prefect's notices)
+    # go to stderr with --verbose, else to the log file; stdout stays the summary's
     quieted = contextlib.redirect_stdout(sys.stderr) if args.verbose else progress.captured_output(log_path)
-    with quieted, server.serving():
-        summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
-                                 targets=args.target or None, force=args.force, artifacts=args.artifacts,
-                                 allow_outside_paths=args.allow_outside_paths)
+    with quieted:
+        _check_services(mlflow=True, prefect=True)
+        from flows.nightly import nightly_flow
+
+        for note in _warnings(_selected(specs, args)):
+            progress.message(note)
+        progress.message(f"smelter: {len(selected)} candidates in {len(pipelines)} pipelines"
+                         + ("" if args.verbose else f"; library output in {log_path}"))
+        with server.serving():
+            summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines,
+                                     precisions=args.precision or None, targets=args.target or None,
+                                     force=args.force, artifacts=args.artifacts,
+                                     allow_outside_paths=args.allow_outside_paths)
+        links = _run_links(summaries)
     if not args.verbose:  # Prefect says goodbye to its temporary server at exit, past the capture
         logging.getLogger("prefect").setLevel(logging.WARNING)
     failed = [s for s in summaries if s["status"] == "failed" or s["error"]]
@@ -229,7 +262,46 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
             print(f"{len(pending)} promotion event(s) still pending: "
                   + ", ".join(f"{e['registered_model']} v{e['version']} to {e['url']}" for e in pending)
                   + "; they are sent again by the next run or `smelter notify --retry`")
+        for line in _last_lines(summaries, specs, links, log_path):
+            print(line)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _run_links(summaries: list[dict[str, Any]]) -> dict[str, str]:
+    """Each pipeline's parent run in the MLflow UI ({pipeline: url}); none when MLflow cannot say."""
+    from tasks import tracking
+
+    links = {}
+    for summary in summaries:
+        run_id = summary.get("mlflow_parent_run_id")
+        if run_id and summary["pipeline"] not in links:
+            with contextlib.suppress(Exception):  # a link is a convenience: the table above is the result
+                links[summary["pipeline"]] = tracking.run_url(run_id)
+    return links
+
+
+def _last_lines(summaries: list[dict[str, Any]], specs: Any, links: dict[str, str], log_path: Path) -> list[str]:
+    """Where to look next and what to do: the parent runs in MLflow, then one hint for what this run left."""
+    from tasks import tracking
+
+    lines = [f"MLflow: {pipeline}: {url}  (summary figure under Artifacts, candidates as child runs)"
+             for pipeline, url in links.items()]
+    if links and not tracking.tracking_server():
+        lines.append(f"        (open them with: mlflow ui --backend-store-uri {tracking.shown_uri(tracking.tracking_uri())})")
+    statuses = {s["status"] for s in summaries}
+    if "failed" in statuses:
+        lines.append(f"Next: the failed stage's error is above and in full in {log_path}; fix it and run again "
+                     "(finished stages are cached)")
+    elif "pending" in statuses:
+        lines.append("Next: some measurements were taken on a busy machine; run again when it is quiet to decide them")
+    elif "promoted" in statuses:
+        promoted = sorted({f"models:/{s['registered_model']}@{specs.pipelines[s['pipeline']].promotion.alias}"
+                           for s in summaries if s["status"] == "promoted" and s.get("registered_model")
+                           and s["pipeline"] in specs.pipelines})
+        lines.append(f"Next: deploy {', '.join(promoted)}; an unchanged re-run is cached and moves nothing")
+    else:
+        lines.append("Next: nothing moved; each candidate's reason is above and on its MLflow run")
+    return lines
 
 
 def pending_events(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -241,11 +313,13 @@ def pending_events(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [d for d in seen.values() if d["status"] == "pending"]
 
 
-def _reason(summary: dict[str, Any]) -> str:
-    """Why a candidate ended as it did: the promotion decision's reason, else the error or the gates'."""
+def _reason(summary: dict[str, Any], specs: Any) -> str:
+    """Why a candidate ended as it did: the promotion decision's reason (with the point its ratio was
+    timed at, the key metric's), else the error or the gates'."""
     decision = summary.get("decision") or {}
     if decision.get("reason"):
-        return str(decision["reason"])
+        at = f" at {_point(summary, specs)}" if decision.get("vs_champion") and _point(summary, specs) else ""
+        return str(decision["reason"]) + at
     if summary.get("error"):
         return summary["error"]
     reasons = [r for g in summary.get("gates", []) for r in g["reasons"]]
@@ -255,27 +329,48 @@ def _reason(summary: dict[str, Any]) -> str:
             "passed": "passed every gate"}.get(summary["status"], "")
 
 
-def _version(summary: dict[str, Any]) -> str:
-    """The registry version, marked when it holds the promotion alias."""
+def _version(summary: dict[str, Any], specs: Any) -> str:
+    """The registry version, marked with the pipeline's alias (e.g. `v2 @champion`) when it holds it."""
     if not summary.get("model_version"):
         return "-"
+    spec = specs.pipelines.get(summary["pipeline"])
     holds = (summary.get("decision") or {}).get("holds_alias")
-    return f"v{summary['model_version']}" + (" @alias" if holds else "")
+    alias = spec.promotion.alias if spec is not None else "alias"
+    return f"v{summary['model_version']}" + (f" @{alias}" if holds else "")
+
+
+def _point(summary: dict[str, Any], specs: Any) -> str:
+    """The pipeline's gate point as `batch 8 × seq 128`: where its gates, objective and decisions are read."""
+    spec = specs.pipelines.get(summary["pipeline"])
+    if spec is None:
+        return ""
+    point = spec.gate_point
+    return f"batch {point['batch']} × seq {point['seq']}" if {"batch", "seq"} <= point.keys() else ""
 
 
 def _key_metric(summary: dict[str, Any], specs: Any) -> str:
-    """The pipeline's objective at its gate point: throughput, or p99 latency."""
+    """The pipeline's objective at its gate point (throughput, or p99 latency), and when the decision timed
+    it against the champion, that ratio first: the number the reason speaks of, at the same point."""
     spec = specs.pipelines.get(summary["pipeline"])
     metrics = summary.get("metrics") or {}
     if spec is not None and spec.performance.objective == "latency":
-        return f"{metrics['p99_ms']:.3g} ms p99" if "p99_ms" in metrics else "-"
-    return f"{metrics['throughput']:.4g}/s" if "throughput" in metrics else "-"
+        value = f"{metrics['p99_ms']:.3g} ms p99" if "p99_ms" in metrics else ""
+    else:
+        value = f"{metrics['throughput']:.4g}/s" if "throughput" in metrics else ""
+    versus = (summary.get("decision") or {}).get("vs_champion") or {}
+    if versus.get("ratio") is not None:
+        value = f"{versus['ratio']:.3g}x vs v{versus.get('version')}" + (f", {value}" if value else "")
+    if not value:
+        return "-"
+    compact = _point(summary, specs).replace("batch ", "b").replace(" × seq ", "×s")
+    return f"{value} @ {compact}" if compact else value
 
 
 def summary_table(summaries: list[dict[str, Any]], specs: Any) -> str:
     """The table `smelter run` prints last: status, registry version, key metric and the reason."""
     rows = [("candidate", "status", "version", "key metric", "reason")]
-    rows += [(s["candidate"], s["status"], _version(s), _key_metric(s, specs), _reason(s)) for s in summaries]
+    rows += [(s["candidate"], s["status"], _version(s, specs), _key_metric(s, specs), _reason(s, specs))
+             for s in summaries]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4]
                      for row in rows)
@@ -309,6 +404,47 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from tasks import capacity
+    from tasks.spec import SpecError, registered_model_name
+
+    limits, where = capacity.Limits(), args.figures
+    try:
+        if args.figures:
+            figures = capacity.figures_from_file(Path(args.figures))
+        if args.registered_model or args.profiles_of:
+            specs = _load(args, check_env=False)
+            owners = [(s, t) for s in specs.pipelines.values() for t in s.targets
+                      if s.name == args.profiles_of
+                      or registered_model_name(s.name, t.name) == args.registered_model]
+            if not owners:
+                asked = f"--profiles-of {args.profiles_of}" if args.profiles_of else args.registered_model
+                raise SpecError([f"{args.file}: capacity {asked}: no pipeline and target of this file match; "
+                                 f"known: {', '.join(sorted(registered_model_name(s.name, t.name) for s in specs.pipelines.values() for t in s.targets))}"])
+            spec, target = owners[0]
+            limits = capacity.limits_from_profiles(spec.profiles)
+        if args.registered_model:
+            from tasks import tracking
+
+            _check_services(mlflow=True)
+            version = args.version or tracking.alias_version(args.registered_model, spec.promotion.alias)
+            found = tracking.find_version(args.registered_model, version) if version else None
+            if found is None:
+                raise SpecError([f"capacity: {args.registered_model} has no version "
+                                 f"{args.version or '@' + spec.promotion.alias} in the registry at "
+                                 f"{tracking.shown_uri(tracking.tracking_uri())}"])
+            where = f"{args.registered_model} v{found.version}"
+            figures = capacity.figures_from_metrics(tracking.run_metrics(found.run_id), where,
+                                                    found.tags.get("arch") or target.gpu_arch)
+        workload = capacity.Workload(args.tokens_per_day, args.prompt, args.answer, args.slo_ms, args.utilisation,
+                                     args.count, args.gpus_per_host)
+        result = capacity.plan(figures, workload, limits)
+    except ValueError as e:  # FiguresError included: the message names the source and the key
+        raise SpecError([str(e)]) from e
+    print(json.dumps(result.as_dict(), indent=2) if args.json else capacity.markdown(result), end="\n" if args.json else "")
+    return EXIT_OK if result.gpus is not None else EXIT_FAILED
+
+
 def cmd_notify(args: argparse.Namespace) -> int:
     from tasks.notify import retry_pending
 
@@ -321,6 +457,7 @@ def cmd_notify(args: argparse.Namespace) -> int:
 
 
 def cmd_webhooks(args: argparse.Namespace) -> int:
+    """`smelter webhooks sync`; a URL the server refuses is one line naming the setting to change (exit 2)."""
     from tasks.mlflow_webhooks import sync
     from tasks.tracking import tracking_server
 
@@ -329,8 +466,11 @@ def cmd_webhooks(args: argparse.Namespace) -> int:
     if tracking_server() is None:
         print("warning: MLFLOW_TRACKING_URI is not an `mlflow server`; registry webhooks fire only from a server",
               file=sys.stderr)
-    for change in sync(specs):
+    changes = sync(specs)
+    for change in changes:
         print(f"{change['action']:<8} {change['webhook']}  {change['url']}  {change['pipelines']}".rstrip())
+    if not changes:
+        print(f"nothing to sync: {args.file} names no webhooks and the server has none of smelter's")
     return EXIT_OK
 
 
@@ -380,7 +520,7 @@ def _write_whole(path: Path, text: str) -> None:
 
 
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "notify": cmd_notify, "deploy": cmd_deploy,
-            "webhooks": cmd_webhooks, "compare": cmd_compare}
+            "webhooks": cmd_webhooks, "compare": cmd_compare, "capacity": cmd_capacity}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,6 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # Prefect's temporary server gets 20 s to start by default; a busy 2-core machine needs longer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    if args.command not in ("validate", "plan"):
+        from tasks import scratch
+
+        scratch.activate()  # library temp files in a dir of this process's; a killed run's is removed
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:

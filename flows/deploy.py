@@ -211,6 +211,8 @@ def prefect_yaml(plans: list[DeploymentPlan], source: str) -> str:
 def _yaml_entry(p: DeploymentPlan) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": p.name, "description": p.description, "entrypoint": p.entrypoint,
                              "parameters": p.parameters, "tags": p.tags}
-    entry["schedules"] = [{"cron": p.schedule.cron, "timezone": p.schedule.timezone}] if p.schedule else []
+    # `schedules: null` when unscheduled: `[]` makes `prefect deploy` warn (FutureWarning) and a missing key
+    # makes it ask for a schedule
+    entry["schedules"] = [{"cron": p.schedule.cron, "timezone": p.schedule.timezone}] if p.schedule else None
     entry["work_pool"] = {"name": p.pool}
     return entry

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flows.deploy import BUILD_FLOW, pool_of
-from tasks import gpu
+from tasks import gpu, locks
 from tasks.spec import PipelineSpec
 
 POLL_S = 2.0
@@ -159,17 +159,12 @@ def gpu_slot(needed: bool, gpus: list[tuple[str, str]] | None = None) -> Iterato
         yield None
         return
     host = socket.gethostname()
-    names = [gpu_limit_name(host, index) for index, _ in gpus]
-    _ensure_limits(names)
-    from prefect.concurrency.sync import concurrency
-
     while True:
-        for (index, uuid), name in zip(gpus, names):
+        for index, uuid in gpus:
             held = contextlib.ExitStack()
             try:
-                held.enter_context(concurrency(name, occupy=1, timeout_seconds=1, strict=True,
-                                                raise_on_lease_renewal_failure=False))
-            except TimeoutError:
+                held.enter_context(locks.held_slot(gpu_limit_name(host, index), f"GPU {index} of {host}", wait=False))
+            except locks.SlotBusy:
                 continue
             with held, _only_gpu(uuid):
                 yield index
@@ -188,17 +183,3 @@ def _only_gpu(uuid: str) -> Iterator[None]:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
-
-
-def _ensure_limits(names: list[str]) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        for name in names:
-            try:
-                client.read_global_concurrency_limit_by_name(name)
-            except ObjectNotFound:
-                with contextlib.suppress(ObjectAlreadyExists):
-                    client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))

@@ -6,15 +6,17 @@ from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, State
 
 from flows import progress
 from flows.pipeline import pipeline_flow
 from tasks import notify
-from tasks.outcome import CandidateOutcome
+from tasks.outcome import CandidateOutcome, tally
 from tasks.spec import PipelineSpec, load
 
 
-@task(name="retry-pending-webhooks", cache_policy=NO_CACHE, persist_result=False)
+@task(name="retry-pending-webhooks", task_run_name="retry-pending-webhooks", cache_policy=NO_CACHE,
+      persist_result=False)
 def retry_pending_task(file: str, pipelines: list[str] | None = None,
                        allow_outside_paths: bool = False) -> list[dict[str, Any]]:
     """Deliver events a receiver missed on an earlier run before new ones go out."""
@@ -34,8 +36,9 @@ def _failed_pipeline(spec: PipelineSpec, precisions: list[str] | None, targets: 
 def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = None,
                  precisions: list[str] | None = None, targets: list[str] | None = None,
                  force: bool = False, artifacts: str = "artifacts", allow_outside_paths: bool = False,
-                 pool: str | None = None) -> list[dict[str, Any]]:
-    """Build every selected candidate of every selected pipeline; returns one summary per candidate.
+                 pool: str | None = None) -> State:
+    """Build every selected candidate of every selected pipeline; ends with the count of each outcome as
+    the flow run's message and one summary per candidate as its result.
 
     `pool` is the work pool this run is on: other pools' targets are sent to their build deployments
     (see `pipeline_flow`); without one, every target builds here."""
@@ -53,4 +56,4 @@ def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = Non
                                        artifacts=artifacts, allow_outside_paths=allow_outside_paths, pool=pool)
         except Exception as e:  # noqa: BLE001 - one broken pipeline (MLflow down, ...) does not stop the others
             summaries += _failed_pipeline(specs.pipelines[name], precisions, targets, e)
-    return summaries
+    return Completed(message=tally(s["status"] for s in summaries), data=summaries)

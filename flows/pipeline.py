@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import tempfile
 import traceback
 from datetime import datetime, timezone
@@ -21,14 +22,15 @@ from typing import Any
 from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.states import State
+from prefect.states import Completed, Failed, State
 
 from flows import events, fleet, progress
 from flows.stages import run_step
-from tasks import benchmark, decide, engine_check, gates, graph, notify, promote, tracking, triton
+from tasks import (benchmark, decide, engine_check, gates, graph, notify, promote, scratch, summary_figure,
+                   tracking, triton)
 from tasks.champion import champion_build
 from tasks.metrics import key_metrics, stage_metrics
-from tasks.outcome import CandidateOutcome, Champion
+from tasks.outcome import CandidateOutcome, Champion, tally
 from tasks.spec import Candidate, PipelineSpec, PipelinesFile, load
 from tasks.store import ArtifactStore, StageResult
 
@@ -145,6 +147,21 @@ def _check_engine_here(spec: PipelineSpec, outcome: CandidateOutcome, run_id: st
         tracking.record_engine_check(run_id, "passed")
 
 
+# The final state of a candidate's `verdict` task in the Prefect UI: what happened, not just "Completed"
+STATE_NAMES = {"promoted": "Promoted", "passed": "Passed", "pending": "Pending (machine busy)",
+               "rejected": "Rejected"}
+
+
+@task(name="verdict", cache_policy=NO_CACHE, persist_result=False)
+def verdict_task(outcome: CandidateOutcome) -> State:
+    """The candidate's last task, named after it: a green `Completed` for a rejected engine would hide
+    the one thing a reader of the flow run wants. A failed candidate's task is `Failed`."""
+    progress.candidate_done(outcome.candidate.name, outcome.status, [outcome.reason] if outcome.reason else [])
+    if outcome.status == "failed":
+        return Failed(message=outcome.reason)
+    return Completed(name=STATE_NAMES[outcome.status], message=outcome.reason)
+
+
 @task(name="promote", cache_policy=NO_CACHE, persist_result=False)
 def promote_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
     return promote.promote(spec, outcomes)
@@ -169,7 +186,7 @@ def package_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> int:
 def _with_engine_here(outcome: CandidateOutcome, engines: Path) -> CandidateOutcome:
     """A promoted TensorRT candidate built on another host, with its engine downloaded from its run."""
     build = outcome.stages.get("build")
-    remote_engine = build is not None and build.outputs.get("backend") == "tensorrt" and not build.path.is_dir()
+    remote_engine = build is not None and triton.serves(build.outputs) and not build.path.is_dir()
     if outcome.status != "promoted" or not remote_engine:
         return outcome
     here = tracking.engine_dir(outcome, engines / outcome.run_id)
@@ -185,6 +202,8 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
     spec = load(file, pipelines=[pipeline], allow_outside_paths=allow_outside_paths).pipelines[pipeline]
     candidates = spec.candidates(precisions, targets)
     store = ArtifactStore(artifacts)
+    scratch.activate()  # library temp files in a dir of this process's, a dead run's removed
+    _quiet_libraries()
     store.clean(pipeline)
     memo = _Memo()
     where = fleet.placement_tags()
@@ -259,8 +278,9 @@ def _joined(spec: PipelineSpec, candidates: list[Candidate], parent_run_id: str,
 @flow(name="smelter-pipeline", flow_run_name="{pipeline}")
 def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None, targets: list[str] | None = None,
                   force: bool = False, artifacts: str = "artifacts", allow_outside_paths: bool = False,
-                  pool: str | None = None) -> list[dict[str, Any]]:
-    """Build, judge, record and promote every selected candidate of one pipeline.
+                  pool: str | None = None) -> State:
+    """Build, judge, record and promote every selected candidate of one pipeline; the flow run ends
+    `Completed` with the count of each outcome as its message, and one summary per candidate as its result.
 
     `pool` is the work pool this run is on: its targets build here, every other pool's on that pool
     (`smelter-build/<pool>`). Without one (`smelter run`, `smelter deploy`), every target builds here.
@@ -269,6 +289,8 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
     spec = specs.pipelines[pipeline]
     candidates = spec.candidates(precisions, targets)
     store = ArtifactStore(artifacts)
+    scratch.activate()
+    _quiet_libraries()
     run_name = f"{pipeline}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     with tracking.pipeline_run(spec, run_name, params={"file": file, "force": force}) as parent_run_id:
         chosen = list(dict.fromkeys(c.target for c in candidates))
@@ -281,7 +303,7 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
         outcomes = decide.decide(spec, outcomes, champions)
         deliveries: list[dict[str, Any]] = []
         try:
-            outcomes = promote_task(spec, outcomes)
+            outcomes = promote_task.with_options(task_run_name=f"{pipeline}/promote")(spec, outcomes)
         except Exception as e:  # noqa: BLE001 - promotion rolled back: its candidates failed, the alias did not move
             for outcome in outcomes:
                 if outcome.status == "passed":
@@ -289,13 +311,49 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
         else:
             deliveries = _after_promotion(spec, outcomes)
             events.announce_promotions(outcomes)
+        figure = _summary_figure(spec, outcomes, parent_run_id)
         for outcome in outcomes:
             if outcome.run_id:
-                tracking.finish_candidate(outcome.run_id, spec, outcome)
-            progress.candidate_done(outcome.candidate.name, outcome.status, [outcome.reason] if outcome.reason else [])
+                tracking.finish_candidate(outcome.run_id, spec, outcome, figure)
+            verdict_task.with_options(task_run_name=outcome.candidate.name)(outcome, return_state=True)
         tracking.describe_pipeline_run(parent_run_id, outcomes)
+        _show_outboxes(outcomes, deliveries)
     _publish(pipeline, outcomes)
-    return [o.summary() | {"events": _events_of(o, deliveries)} for o in outcomes]
+    counts = tally(o.status for o in outcomes)
+    progress.message(f"{pipeline}: {counts}")
+    return Completed(message=counts, data=[o.summary() | {"events": _events_of(o, deliveries),
+                                                          "mlflow_parent_run_id": parent_run_id}
+                                           for o in outcomes])
+
+
+def _summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome], parent_run_id: str) -> bytes | None:
+    """The run's summary figure, logged on the parent run; None (and a warning) when it cannot be drawn:
+    a picture never fails a run."""
+    try:
+        figure = summary_figure.summary_png(spec, outcomes)
+        tracking.log_summary_figure(parent_run_id, figure)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        progress.message(f"warning: {spec.name}: no summary figure: {type(e).__name__}: {e}")
+        return None
+    return figure
+
+
+def _show_outboxes(outcomes: list[CandidateOutcome], deliveries: list[dict[str, Any]]) -> None:
+    """A readable outbox on every version this run registered or delivered events of."""
+    versions = {(o.model_name, str(o.model_version)) for o in outcomes if o.model_name and o.model_version}
+    versions |= {(d["registered_model"], str(d["version"])) for d in deliveries}
+    for name, version in sorted(versions):
+        try:
+            tracking.show_outbox(name, version)
+        except Exception as e:  # noqa: BLE001 - the outbox itself is intact; only its display is missing
+            progress.message(f"warning: {name} v{version}: outbox status not shown: {type(e).__name__}: {e}")
+
+
+def _quiet_libraries() -> None:
+    """No progress bars or MLflow run links between the stage lines: on a worker they interleave with
+    them, and smelter names the runs itself (the CLI's last lines, the Prefect table)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 def _events_of(outcome: CandidateOutcome, deliveries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -324,7 +382,7 @@ def _after_promotion(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> li
     deliveries: list[dict[str, Any]] = []
     for stage, stage_task in (("package", package_task), ("notify", notify_task)):
         try:
-            done = stage_task(spec, outcomes)
+            done = stage_task.with_options(task_run_name=f"{spec.name}/{stage}")(spec, outcomes)
             if stage == "notify":
                 deliveries = done
         except Exception as e:  # noqa: BLE001 - see the docstring

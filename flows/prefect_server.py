@@ -3,7 +3,9 @@
 With no PREFECT_API_URL, Prefect starts its own temporary server (a uvicorn subprocess) and stops
 it at exit; a SIGKILL skips that and leaves the server running forever, parented to init. This one
 is started the same way, but the kernel kills it when its parent dies (PR_SET_PDEATHSIG), and two
-runs starting at once on a fresh Prefect database migrate it one at a time (a file lock).
+runs starting at once on a fresh Prefect database migrate it one at a time (a file lock). It runs
+in a process group of its own: a terminal's Ctrl-C goes to the foreground group, smelter's, which
+then stops in order (releasing its slots through this server) and stops the server last.
 
 It is started before the run's own checks and imports and waited for only when the flow needs it:
 its few seconds of startup, in its own process, overlap that work instead of following it.
@@ -52,7 +54,7 @@ def _start(port: int, log: object) -> subprocess.Popen:
         [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
          "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
          "--log-level", "error", "--lifespan", "on"],
-        env=env, preexec_fn=_die_with_parent, stdout=subprocess.DEVNULL, stderr=log)
+        env=env, preexec_fn=_die_with_parent, process_group=0, stdout=subprocess.DEVNULL, stderr=log)
 
 
 def _wait_healthy(process: subprocess.Popen, url: str, timeout_s: float, log) -> None:
@@ -144,12 +146,16 @@ class StartedServer:
         server dies with it. (Prefect joins the heartbeat thread, which sleeps in 1 s steps, at the
         end of every flow and subflow: up to a second each.)
         """
-        from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+        from prefect.settings import (PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_HOME,
+                                      temporary_settings)
+
+        from tasks.locks import temporary_server
 
         self._waiter.join()
         if self._failure is not None:
             raise self._failure
-        with temporary_settings(updates={PREFECT_API_URL: self.url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        with temporary_settings(updates={PREFECT_API_URL: self.url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), \
+                temporary_server(Path(PREFECT_HOME.value())):
             try:
                 yield self.url
             finally:

@@ -1,10 +1,12 @@
 """What a person watching a run sees: one line per stage, and nothing else on the terminal.
 
-Each line also goes through Prefect's run logger, so a deployed run shows it in the Prefect UI.
-`smelter run` routes everything libraries print (warnings, tracer noise, MLflow's run links,
-Prefect's per-task lines, native code writing to the file descriptors) into the run's log file
-with `captured_output`; `--verbose` leaves it all on the terminal, `--quiet` keeps only failures.
-Lines go to stderr, so `smelter run --json` leaves stdout to the summary.
+Each line also goes through Prefect's run logger, so a deployed run shows it in the Prefect UI and
+`prefect deployment run ... --watch` streams it. `smelter run` routes everything libraries print
+(warnings, tracer noise, MLflow's run links, Prefect's per-task lines, native code writing to the
+file descriptors) into the run's log file with `captured_output`; `--verbose` leaves it all on the
+terminal, `--quiet` keeps only failures. Lines go to stderr, so `smelter run --json` leaves stdout
+to the summary. On a TTY a live line under them says which stages run now and for how long (for a
+benchmark, its round and how close its interval is to the target).
 """
 
 from __future__ import annotations
@@ -13,13 +15,18 @@ import contextlib
 import io
 import logging
 import os
+import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
 from rich.console import Console
+
+from tasks import measure
+from tasks.stats import MIN_ROUNDS
 
 QUIET, NORMAL, VERBOSE = 0, 1, 2
 _level = NORMAL
@@ -41,39 +48,127 @@ def _run_logger() -> logging.Logger | logging.LoggerAdapter | None:
     return get_run_logger()
 
 
-def _deployed() -> bool:
-    """A run a worker or `serve` started: its terminal is the worker's, the run logger is the place.
-
-    Read from the run context: `prefect.runtime.deployment.id` asks the API for the flow run on every
-    call (a new client each time), and this is asked for every progress line."""
-    from prefect.context import FlowRunContext
-
-    context = FlowRunContext.get()
-    if context is not None and context.flow_run is not None:
-        return context.flow_run.deployment_id is not None
-    from prefect.runtime import deployment  # a task without its flow's context: ask the API
-
-    return deployment.id is not None
+def _terminal_stream() -> TextIO:
+    return _terminal or sys.stderr
 
 
 def _emit(markup: str, plain: str, *, failure: bool = False) -> None:
     logger = _run_logger()
     if logger is not None:
         (logger.warning if failure else logger.info)(plain)
-    if _level == QUIET and not failure or logger is not None and (_level == VERBOSE or _deployed()):
-        return  # quiet; or Prefect's own console handler already prints the run logger's line
-    Console(file=_terminal or sys.stderr, highlight=False, soft_wrap=True).print(markup)
+    if _level == QUIET and not failure:
+        return
+    if logger is not None and _terminal is None:
+        return  # no `smelter run` capture (a worker, `serve`, --verbose): Prefect's console handler prints it
+    with _live.paused():
+        Console(file=_terminal_stream(), highlight=False, soft_wrap=True).print(markup)
+
+
+class _LiveLine:
+    """The line under the finished ones on a TTY: every running stage with its elapsed time, redrawn
+    each second by a daemon thread and cleared before a finished line is printed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._shown = False
+        self._ticker: threading.Thread | None = None
+
+    def wanted(self) -> bool:
+        stream = _terminal_stream()
+        return _level == NORMAL and hasattr(stream, "isatty") and stream.isatty()
+
+    def text(self) -> str:
+        now = time.perf_counter()
+        parts = [f"{label} {stage} {now - started:.0f}s" + (f" ({_details[(label, stage)]})"
+                                                            if (label, stage) in _details else "")
+                 for (label, stage), started in list(_started.items())]
+        return "⏳ " + " · ".join(parts) if parts else ""
+
+    def draw(self) -> None:
+        with self._lock:
+            if not self.wanted():
+                return
+            text = self.text()
+            width = shutil.get_terminal_size((100, 20)).columns - 1
+            if len(text) > width:
+                text = text[:width - 1] + "…"
+            stream = _terminal_stream()
+            stream.write("\r\x1b[2K" + text)
+            stream.flush()
+            self._shown = bool(text)
+            if text and (self._ticker is None or not self._ticker.is_alive()):
+                self._ticker = threading.Thread(target=self._tick, name="smelter-progress", daemon=True)
+                self._ticker.start()
+
+    def _tick(self) -> None:
+        while True:
+            time.sleep(1.0)
+            with self._lock:
+                if not _started or not self.wanted():
+                    self._clear()
+                    return
+                self.draw()
+
+    def _clear(self) -> None:
+        if self._shown:
+            stream = _terminal_stream()
+            stream.write("\r\x1b[2K")
+            stream.flush()
+            self._shown = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Clear the live line, print, draw it again under what was printed."""
+        with self._lock:
+            self._clear()
+            try:
+                yield
+            finally:
+                if _started:
+                    self.draw()
+
+
+_live = _LiveLine()
+_details: dict[tuple[str, str], str] = {}
+_last_width: dict[int, tuple[float, str]] = {}  # id(rounds) -> (when computed, the text)
+WIDTH_EVERY_S = 1.0  # an interval over every pair costs a few ms: recompute it at most this often
+
+
+def benchmark_round(rounds: measure.Rounds, precision: float) -> None:
+    """Called by tasks/measure.py after every round: on a TTY, the running benchmark's round count and its
+    widest interval against the target. Costs nothing when no live line is shown."""
+    running = [key for key in _started if key[1] == "benchmark"]
+    if not running or not _live.wanted():
+        return
+    detail = f"round {rounds.count}"
+    if rounds.count >= MIN_ROUNDS and rounds.pairs:
+        when, text = _last_width.get(id(rounds), (0.0, ""))
+        if not text or time.perf_counter() - when >= WIDTH_EVERY_S:
+            with contextlib.suppress(ValueError, ZeroDivisionError):
+                worst = max(rounds.ratio(base, other).half_width for base, other in rounds.pairs)
+                text = f"±{worst:.1%} of ±{precision:.0%} target"
+                _last_width.clear()
+                _last_width[id(rounds)] = (time.perf_counter(), text)
+        detail += f", {text}" if text else ""
+    for key in running:
+        _details[key] = detail
+    _live.draw()
+
+
+measure.round_observer = benchmark_round
 
 
 def stage_started(label: str, stage: str) -> None:
     _started[(label, stage)] = time.perf_counter()
     if _level == VERBOSE:
         _emit(f"[cyan]▶[/] {label:<28} {stage:<10} running", f"{label} {stage}: running")
+    _live.draw()
 
 
 def stage_done(label: str, stage: str, *, cached: bool, kept: str | None = None) -> None:
     """`kept`: the stage ran again but kept its published output, and why (not `cached`: it took the time)."""
     seconds = time.perf_counter() - _started.pop((label, stage), time.perf_counter())
+    _details.pop((label, stage), None)
     word = f"kept {seconds:.1f}s: {kept}" if kept else "cached" if cached else f"done {seconds:.1f}s"
     colour = "yellow" if cached or kept else "green"
     _emit(f"[green]✔[/] {label:<28} {stage:<10} [{colour}]{word}[/]", f"{label} {stage}: {word}")
@@ -81,12 +176,14 @@ def stage_done(label: str, stage: str, *, cached: bool, kept: str | None = None)
 
 def stage_failed(label: str, stage: str, error: str) -> None:
     _started.pop((label, stage), None)
+    _details.pop((label, stage), None)
     first = error.splitlines()[0] if error else ""
     _emit(f"[red]✘[/] {label:<28} {stage:<10} failed: {first}", f"{label} {stage}: failed: {first}", failure=True)
 
 
 def candidate_done(label: str, status: str, reasons: list[str]) -> None:
-    colour = {"promoted": "bold green", "passed": "green", "rejected": "yellow", "failed": "red"}[status]
+    colour = {"promoted": "bold green", "passed": "green", "pending": "yellow", "rejected": "yellow",
+              "failed": "red"}[status]
     why = f" ({'; '.join(reasons)})" if reasons else ""
     _emit(f"[{colour}]●[/] {label:<28} {status}{why}", f"{label}: {status}{why}", failure=status == "failed")
 
@@ -121,6 +218,8 @@ def captured_output(log_path: Path) -> Iterator[None]:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                 yield
         finally:
+            with _live.paused():
+                _started.clear(), _details.clear()  # a stage left running (Ctrl-C) keeps no live line past the capture
             for stream in (sys.stdout, sys.stderr, log):
                 with contextlib.suppress(OSError, ValueError):
                     stream.flush()

@@ -3,15 +3,14 @@
 Stages cache in the artifact store (content-addressed and hash-verified, so a hit whose directory
 is gone or damaged simply rebuilds). A hit returns Prefect's `Cached` state so the UI shows it as
 such; Prefect's own result cache stays off because it cannot know the artifact directory is still
-intact. Producing one key is guarded by a Prefect global concurrency limit named from the key (so
-two runs, also on two hosts, build it once), inside which the store's file lock guards this host.
+intact. Producing one key is guarded by a Prefect global concurrency slot named from the key (so two
+runs, also on two hosts, build it once), inside which the store's file lock guards this host.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 from prefect import task
@@ -19,38 +18,22 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from flows import progress
+from tasks import locks
 from tasks.graph import Step, call_work
 from tasks.stage import run_stage, shared_key_lock
 from tasks.store import ArtifactStore, StageResult
 
-LEASE_S = 60  # Prefect renews it while the holder lives; a killed holder blocks the key at most this long
+locks.report_waits_to(progress.message)  # a waiter's notices reach the terminal and the run log
 
 
 def limit_name(key_name: str) -> str:
     return f"smelter-build-{key_name}"
 
 
-@contextlib.contextmanager
-def global_key_lock(key_name: str) -> Iterator[None]:
-    """One holder at a time for this key across every run talking to this Prefect API.
-
-    Prefect does not create a limit on first use (a missing one is skipped with a warning), so it
-    is created here with one slot; `strict` then refuses to go on without it.
-    """
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    name = limit_name(key_name)
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            with contextlib.suppress(ObjectAlreadyExists):  # another run created it meanwhile
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-    with concurrency(name, occupy=1, strict=True, lease_duration=LEASE_S):
-        yield
+def global_key_lock(key_name: str) -> contextlib.AbstractContextManager[None]:
+    """One holder at a time for this key across every run talking to this Prefect API (tasks/locks.py
+    says how a dead holder's slot is taken over)."""
+    return locks.held_slot(limit_name(key_name), key_name)
 
 
 def _as_state(label: str, stage: str, result: StageResult) -> Any:

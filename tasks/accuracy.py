@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from tasks import killpoints
-from tasks.backends.base import Runner
+from tasks.backends.base import Runner, get_backend
 from tasks.build import open_engine
 from tasks.inputs import decoder_feeds, encoder_feeds, point_feeds, read_texts, reference_outputs
 from tasks.models import load_reference, load_tokenizer
@@ -62,8 +62,10 @@ def accuracy_work(spec: PipelineSpec, build_result: StageResult, store: Artifact
                 table, metrics = _encoder_accuracy(spec, engine, tokenizer, reference, texts, batch)
             table.to_csv(w.dir / PER_SAMPLE, index=False)
             killpoints.reach("accuracy")
+            validity = check_validity(spec, engine, tokenizer, reference, texts) | {
+                "nonfinite_samples": nonfinite_samples(table)}
             w.outputs.update({"metrics": metrics, "samples": len(texts), "seq_len": spec.accuracy.seq_len,
-                              "past": past, "validity": check_validity(spec, engine, tokenizer, reference, texts)})
+                              "past": past, "validity": validity})
             if (report := three_way(spec, build_result, store, engine, tokenizer, reference, texts)) is not None:
                 (w.dir / THREE_WAY).write_text(json.dumps(report, indent=2))
                 w.outputs["three_way_passed"] = report["passed"]
@@ -89,6 +91,23 @@ def _eval_profile(spec: PipelineSpec) -> ProfileSpec:
 def _chunks(texts: list[str], batch: int) -> list[tuple[int, list[str]]]:
     """Consecutive groups of `batch` texts; the last one is topped up by cycling so shapes stay fixed."""
     return [(start, [texts[(start + i) % len(texts)] for i in range(batch)]) for start in range(0, len(texts), batch)]
+
+
+def nonfinite_samples(table: pd.DataFrame) -> dict[str, list[int]]:
+    """Per measured column, the samples whose value is NaN or Inf (an engine output with NaN, or the 0/0
+    cosine of an all-zero one): the accuracy gate fails on any of them and names them."""
+    found = {}
+    for column in table.select_dtypes("number").columns.drop("sample", errors="ignore"):
+        bad = ~np.isfinite(table[column].to_numpy(dtype=np.float64))
+        if bad.any():
+            found[column] = [int(s) for s in table["sample"].to_numpy()[bad]]
+    return found
+
+
+def _aggregate(values: pd.Series, how: str) -> float:
+    """mean / min / max that keep a NaN (pandas skips it, and a gate would never see it)."""
+    array = values.to_numpy(dtype=np.float64)
+    return float({"mean": np.mean, "min": np.min, "max": np.max}[how](array))
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -127,8 +146,8 @@ def _encoder_accuracy(spec: PipelineSpec, runner: Runner, tokenizer: Any, refere
                         "max_abs_error": float(np.abs(engine[i][valid] - expected[i][valid]).max())}
             rows.append(row)
     table = pd.DataFrame(rows)
-    metrics = {"cosine_mean": float(table["cosine"].mean()), "cosine_min": float(table["cosine"].min()),
-               "max_abs_error": float(table["max_abs_error"].max())}
+    metrics = {"cosine_mean": _aggregate(table["cosine"], "mean"), "cosine_min": _aggregate(table["cosine"], "min"),
+               "max_abs_error": _aggregate(table["max_abs_error"], "max")}
     if task == "text-classification":
         metrics["label_agreement"] = float((table["label"] == table["reference_label"]).mean())
     return table, metrics
@@ -164,9 +183,9 @@ def _decoder_accuracy(spec: PipelineSpec, runner: Runner, tokenizer: Any, refere
             nll_engine.append(nll[i])
             nll_reference.append(nll_ref[i])
     table = pd.DataFrame(rows)
-    metrics = {"top1_agreement": float(table["top1_agreement"].mean()),
-               "logit_max_abs_error": float(table["logit_max_abs_error"].max()),
-               "logit_mean_abs_error": float(table["logit_mean_abs_error"].mean()),
+    metrics = {"top1_agreement": _aggregate(table["top1_agreement"], "mean"),
+               "logit_max_abs_error": _aggregate(table["logit_max_abs_error"], "max"),
+               "logit_mean_abs_error": _aggregate(table["logit_mean_abs_error"], "mean"),
                "perplexity": float(np.exp(np.concatenate(nll_engine).mean())),
                "reference_perplexity": float(np.exp(np.concatenate(nll_reference).mean()))}
     metrics["perplexity_delta"] = metrics["perplexity"] - metrics["reference_perplexity"]
@@ -175,11 +194,12 @@ def _decoder_accuracy(spec: PipelineSpec, runner: Runner, tokenizer: Any, refere
 
 def three_way(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore | None, engine: Runner,
               tokenizer: Any, reference: torch.nn.Module, texts: list[str]) -> dict[str, Any] | None:
-    """For TensorRT engines: FP32 ONNX vs precision ONNX vs engine at min/opt/max (where an error comes from).
+    """For a backend that compares three ways (TensorRT): FP32 ONNX vs precision ONNX vs engine at min/opt/max
+    (where an error comes from).
 
     Recorded, not gated: the accuracy gates already judge the engine against PyTorch.
     """
-    if build_result.outputs.get("backend") != "tensorrt":
+    if not get_backend(build_result.outputs["backend"]).compares_three_way:
         return None
     from tasks.backends.trt_compare import compare_three_way
 

@@ -7,8 +7,9 @@ reference, speed against the champion) is then a paired comparison taken in the 
 its 95% interval (tasks/stats.py), and every percentile is derived from the raw samples kept.
 
 A measurement taken while other processes used the CPU (tasks/hostload.py) is still published when
-nothing was, but never replaces one already published for the same key, so a busy night cannot
-overwrite a clean measurement that later decisions read.
+nothing was, and replaces one already published for the same key only when it is less contended, so
+a busy night cannot overwrite a cleaner measurement that later decisions read, and a quieter one is
+not thrown away. Contended numbers decide nothing (tasks/gates.py, tasks/decide.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import numpy as np
 import pandas as pd
 
 from tasks import killpoints, stats
-from tasks.backends.base import BackendUnavailable, Runner
+from tasks.backends.base import Runner
 from tasks.build import open_engine
+from tasks.champion import cannot_run_here, same_engine
 from tasks.hostload import LoadWatch
 from tasks.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read_texts
 from tasks.measure import Contender, Rounds, measure_rounds
@@ -36,6 +38,7 @@ from tasks.outcome import Champion
 from tasks.spec import PipelineSpec
 from tasks.stage import KeepPublished, Work, run_stage
 from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, host_facts, tool_versions
+from tasks.tracking import recorded_engine_digest
 
 if TYPE_CHECKING:
     import torch
@@ -86,45 +89,56 @@ def benchmark_key(spec: PipelineSpec, target_name: str, builds: dict[str, StageR
     """Hash of the engines measured together, the champion's engine, the settings and this host.
 
     The champion counts only when it is not one of the candidates (an engine with the champion's
-    build key is the champion), so a candidate that becomes champion keeps its measurement.
+    bytes is the champion), so a candidate that becomes champion keeps its measurement.
     """
     return benchmark_work(spec, target_name, builds, champion).key
 
 
 def _extra_champion(champion: Champion | None, builds: dict[str, StageResult]) -> bool:
     """Whether the champion must be measured as an engine of its own (it is none of the candidates)."""
-    return champion is not None and champion.build_key not in {b.key for b in builds.values()}
+    return champion is not None and not any(same_engine(champion, b) for b in builds.values())
 
 
 def _uncontended(published: StageResult) -> bool:
     return not published.outputs.get("host", {}).get("contended")
 
 
+def _busier_than(load: dict[str, Any], published: StageResult) -> bool:
+    """Whether a new contended measurement is at least as busy as the published one (then that one stands)."""
+    before = published.outputs.get("host", {}).get("foreign_cpu_share")
+    return before is None or (load.get("foreign_cpu_share") or 0.0) >= before
+
+
 def benchmark_work(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult],
                    champion: Champion | None = None, champion_build: Callable[[], StageResult] | None = None,
                    open_runner: OpenRunner = open_engine) -> Work:
     """One target's engines timed side by side; a published measurement taken under contention is
-    measured again, and kept when the new one is contended too."""
+    measured again, and kept when the new one is at least as contended."""
     if not builds:
         raise ValueError(f"pipeline {spec.name}, target {target_name}: no built engine to benchmark")
     config, tools = _config(spec, target_name), tool_versions(*TOOLS)
     engines = sorted((name, build.key, build.content) for name, build in builds.items())
     parts = {"target": target_name, "engines": engines,
-             "champion": _extra_champion(champion, builds) and champion.build_key, "config": config,
+             "champion": _extra_champion(champion, builds) and (champion.engine_digest or champion.build_key),
+             "config": config,
              "data": file_digest(spec.resolve(spec.accuracy.data)), "host": host_facts(), "tools": tools}
 
     def produce(w: StageWriter, published: StageResult | None) -> None:
-        with LoadWatch() as load:
+        with LoadWatch(spec.benchmark.contended_above) as load:
             measured = _measure(spec, target_name, builds, champion, champion_build, config, open_runner)
-        if published and load.contended:  # a contended measurement never replaces a published one
+        if published and load.contended and _busier_than(load.as_dict(), published):
+            before = published.outputs["host"].get("foreign_cpu_share")
             raise KeepPublished(f"measured again, but other processes used {load.foreign_cpu_share:.0%} of the CPU "
-                                "again: the published measurement stands")
+                                f"(the published measurement: {before:.0%}): the published measurement stands"
+                                if before is not None else "measured again on a busy machine: the published "
+                                "measurement stands")
         w.outputs.update(measured.outputs | {"host": load.as_dict(), "key": w.manifest["key"]})
         measured.samples.to_csv(w.dir / SAMPLES, index=False)
         killpoints.reach("benchmark")
         _plot(measured.samples, w.dir / PLOT)
 
     inputs = {"builds": {name: b.key for name, b in builds.items()},
+              "engines": {name: recorded_engine_digest(b) for name, b in builds.items()},
               "champion": champion.build_key if champion else None}
     return Work(spec.name, "benchmark", parts, CODE, produce, inputs=inputs, config=config, tools=tools,
                 reusable=_uncontended)
@@ -162,11 +176,15 @@ def for_candidate(result: StageResult, candidate: str, champion: Champion | None
 
 
 def _champion_info(result: StageResult, champion: Champion | None) -> dict[str, Any] | None:
-    """Which contender is the champion: the candidate with its build key, else its own engine (or why it is absent)."""
+    """Which contender is the champion: the candidate with its bytes (its build key, for a measurement or a version
+    from before digests were recorded), else its own engine (or why it is absent)."""
     if champion is None:
         return None
-    same = [name for name, key in result.manifest.get("inputs", {}).get("builds", {}).items()
-            if key == champion.build_key]
+    inputs = result.manifest.get("inputs", {})
+    digests = inputs.get("engines") or {}
+    same = [name for name, key in inputs.get("builds", {}).items()
+            if (digests.get(name) == champion.engine_digest if champion.engine_digest and digests.get(name)
+                else key == champion.build_key)]
     if same:
         return {"version": champion.version, "registered_model": champion.registered_model,
                 "build_key": champion.build_key, "label": same[0], "unavailable": None, "permanent": False}
@@ -203,7 +221,7 @@ def _measure(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult
                 runners[champion.label] = open_runner(spec, champion_build(), threads=threads)
             except Exception as e:  # noqa: BLE001 - recorded; the decision reads it
                 champion_info |= {"label": None, "unavailable": f"{type(e).__name__}: {e}",
-                                  "permanent": isinstance(e, BackendUnavailable) or getattr(e, "permanent", False)}
+                                  "permanent": cannot_run_here(e)}
         bench = _Bench(spec, list(builds), runners, reference, load_tokenizer(spec), texts, device)
         measured = [(point, bench.measure(point)) for point in _points(spec)]
     finally:
@@ -211,11 +229,18 @@ def _measure(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult
             runner.close()
         torch.set_num_threads(previous_threads)
     engines = {name: _engine_outputs(spec, name, measured) for name in builds}
+    notes = [f"{_where(point)}: {rounds.extended}" for point, rounds in measured if rounds.extended]
     outputs = {"engines": engines, "champion": champion_info, "reference": REFERENCE, "reference_device": device,
+               "notes": notes,
                "threads": threads, "method": stats.METHOD, "precision": spec.benchmark.precision,
                "comparisons": [row for point, rounds in measured
                                for row in _comparison_rows(point, rounds, spec.benchmark.precision)]}
     return _Measured(outputs, _samples_table(measured))
+
+
+def _where(point: dict[str, int]) -> str:
+    return (f"decode batch {point['batch']} past {point['past']}" if point["decode"]
+            else f"batch {point['batch']} seq {point['seq']}")
 
 
 def _points(spec: PipelineSpec) -> list[dict[str, int]]:

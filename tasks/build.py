@@ -2,9 +2,9 @@
 
 The key covers what the engine depends on beyond its source: the target's settings, the backend
 and its version, and the machine facts the engine is tied to (CPU ISA, GPU compute capability),
-so an engine built on one kind of machine is never reused on another. A backend whose table
-entry says `source: torch` (Inductor) builds from the HF model, so its candidates have no
-export, validate or precision stage.
+so an engine built on one kind of machine is never reused on another. A backend that declares
+`source = "torch"` (Inductor) builds from the HF model, so its candidates have no export,
+validate or precision stage.
 """
 
 from __future__ import annotations
@@ -168,5 +168,5 @@ def open_engine(spec: PipelineSpec, build_result: StageResult, threads: int | No
     """A runner for a built engine, on the target it was built for (optionally with another thread count)."""
     target = spec.target(build_result.outputs["target"])
     if threads is not None:
-        target = target.model_copy(update={"threads": threads})
+        target = target.with_threads(threads)
     return get_backend(build_result.outputs["backend"]).load(Path(build_result.path), target)

@@ -1,9 +1,9 @@
 """The champion's engine on this machine, so it can be timed side by side with tonight's candidates.
 
 Speed against the champion is never read from numbers another run stored: its engine is loaded
-and measured in the same rounds. It comes from this artifact store when its build is here and
-intact, else from the registry (the files the version points to), checked against the hashes
-in its own build manifest before it is trusted.
+and measured in the same rounds. It comes from this artifact store when its build is here, intact
+and byte for byte the registered engine, else from the registry (the files the version points to),
+checked against the hashes in its own build manifest before it is trusted.
 """
 
 from __future__ import annotations
@@ -20,6 +20,32 @@ from tasks.spec import PipelineSpec
 from tasks.store import MANIFEST, ArtifactStore, StageResult, file_digest
 
 CHAMPIONS_DIR = "_champions"
+
+
+# Errors that say an engine cannot run on this machine, now or ever: its backend is not installed or cannot
+# run the target, or the engine was built for other software or hardware (EngineMismatch of any backend).
+CANNOT_RUN_HERE = ("BackendUnavailable", "EngineMismatch")
+
+
+def same_engine(champion: Champion, build: StageResult) -> bool:
+    """Whether `build` is the champion's engine: the same bytes. A build key names the inputs, and a rebuild
+    from them (TensorRT is not bit-reproducible; `--force`, a repair) is another engine. A version registered
+    before versions carried their digest is known by its build key alone."""
+    digest = tracking.recorded_engine_digest(build)
+    if champion.engine_digest and digest:
+        return digest == champion.engine_digest
+    return build.key == champion.build_key
+
+
+def cannot_run_here(error: BaseException) -> bool:
+    """Whether `error` says the engine cannot run here (by class, so no backend's runtime need be imported)."""
+    return getattr(error, "permanent", False) or any(c.__name__ in CANNOT_RUN_HERE for c in type(error).__mro__)
+
+
+def says_cannot_run_here(message: str) -> str | None:
+    """The error class named in a failed stage's message ("<stage> failed: <Class>: ...") when it is one of those."""
+    named = message.split(": ")[1] if message.count(": ") >= 2 else ""
+    return named if named in (*CANNOT_RUN_HERE, "BuildUnavailable") else None
 
 
 class ChampionUnavailable(RuntimeError):
@@ -45,12 +71,14 @@ def _intact(engine_dir: Path) -> dict | None:
 
 
 def champion_build(spec: PipelineSpec, champion: Champion, store: ArtifactStore) -> StageResult:
-    """The champion's build output: from the store, else downloaded from the registry and verified.
+    """The champion's build output: from the store when it holds the champion's very bytes, else downloaded
+    from the registry and verified.
 
     A damaged store entry is left where it is (the build stage moves it aside and says so in its
     result); the champion then comes from the registry.
     """
-    if champion.build_key and (hit := store.check(spec.name, "build", champion.build_key, repair=False)[0]):
+    if champion.build_key and (hit := store.check(spec.name, "build", champion.build_key, repair=False)[0]) \
+            and same_engine(champion, hit):  # a rebuild under the same key is not the champion's engine
         return hit
     final = store.root / CHAMPIONS_DIR / champion.registered_model / champion.version
     manifest = _intact(final) if final.is_dir() else None

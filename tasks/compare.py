@@ -2,7 +2,8 @@
 
 The same interleaved rounds and interval as the benchmark stage (tasks/measure.py, tasks/stats.py),
 on the pipeline's own evaluation text at one shape point; no reference, no decision, nothing written
-to the registry.
+to the registry. As in a run, an interval taken while other processes used the CPU is never
+conclusive: `contended` says so, with how busy the machine was.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tasks.inputs import point_feeds, read_texts
 from tasks.measure import Contender, measure_rounds
 from tasks.models import load_reference, load_tokenizer
 from tasks.spec import PipelinesFile, PipelineSpec, SpecError
-from tasks.stats import METHOD
+from tasks.stats import METHOD, MIN_ROUNDS, Ratio
 from tasks.store import ArtifactStore
 
 
@@ -60,7 +61,7 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
         feeds = point_feeds(spec, load_tokenizer(spec), load_reference(spec), read_texts(spec.resolve(spec.accuracy.data)),
                             point, names)
         settings = spec.benchmark
-        with LoadWatch() as load:
+        with LoadWatch(settings.contended_above) as load:
             rounds = measure_rounds([Contender(label, engine_timer(runner, feeds)) for label, runner in runners.items()],
                                     [("a", "b")], warmup=settings.warmup, min_rounds=settings.min_rounds,
                                     max_seconds=settings.max_seconds, precision=settings.precision)
@@ -70,5 +71,18 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
     ratio = rounds.ratio("a", "b")
     return {"registered_model": name, "a": version_a, "b": version_b, "batch": point["batch"], "seq": point["seq"],
             "ratio": ratio.ratio, "ci": [ratio.low, ratio.high], "half_width": ratio.half_width,
-            "conclusive": ratio.conclusive(settings.precision), "rounds": ratio.rounds,
-            "seconds": round(rounds.seconds, 2), "method": METHOD, "host": load.as_dict()}
+            "conclusive": ratio.conclusive(settings.precision) and not load.contended, "contended": load.contended,
+            "verdict": verdict(ratio, settings.precision, load.as_dict()), "rounds": ratio.rounds,
+            "seconds": round(rounds.seconds, 2), "extended": rounds.extended, "method": METHOD,
+            "host": load.as_dict()}
+
+
+def verdict(ratio: Ratio, precision: float, host: dict[str, Any]) -> str:
+    """One word and why: a busy machine makes any interval inconclusive, as it does in a run."""
+    if host.get("contended"):
+        return f"inconclusive: machine busy (other processes used {host['foreign_cpu_share']:.0%} of the CPU)"
+    if ratio.rounds < MIN_ROUNDS:
+        return f"inconclusive: {ratio.rounds} rounds give no 95% interval (at least {MIN_ROUNDS})"
+    if not ratio.conclusive(precision):
+        return f"inconclusive: ±{ratio.half_width:.1%} is wider than benchmark.precision ±{precision:.0%}"
+    return "conclusive"

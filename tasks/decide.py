@@ -2,9 +2,14 @@
 
 The rules (README, "How smelter decides"), applied per (pipeline, target):
 - Only a candidate that passed every gate may take the alias.
+- The champion's engine is the candidate with its very bytes (tasks/champion.py `same_engine`); a
+  rebuild from the same inputs with other bytes is a challenger, measured against it like any other.
 - With no champion, the fastest passing candidate takes it (all were timed in the same rounds).
-- When the champion fails today's gates, or its engine cannot run on this machine any more, the
-  fastest passing candidate takes it.
+- When the champion fails today's gates, or its engine cannot run on this machine any more (its
+  backend is missing, or an EngineMismatch of any backend), the fastest passing candidate takes it.
+  A champion candidate that errored for any other reason moves nothing.
+- Numbers taken on a busy machine (a contended measurement) decide nothing: its candidates end
+  `pending`, no champion is crowned and the alias does not move; accuracy gates still reject.
 - Otherwise the fastest passing candidate takes it only if it beats the champion, measured side by
   side, by more than `performance.min_improvement`, with the 95% interval above 1 and conclusive
   (half-width within `benchmark.precision`). Anything else leaves the alias where it is.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tasks.champion import same_engine, says_cannot_run_here
 from tasks.outcome import CandidateOutcome, Champion, Decision
 from tasks.spec import PipelineSpec
 
@@ -65,6 +71,24 @@ def _verdict(spec: PipelineSpec, comparison: dict[str, Any]) -> tuple[bool, str]
     return False, f"not significant: {shown} (needs ≥ {needed:.3g}x with the interval above 1)"
 
 
+def busy_share(outcome: CandidateOutcome) -> float | None:
+    """The share of the CPU other processes used while the candidate was timed, when that made it contended."""
+    benchmark = outcome.stages.get("benchmark")
+    host = (benchmark.outputs.get("host") or {}) if benchmark else {}
+    return float(host.get("foreign_cpu_share") or 0.0) if host.get("contended") else None
+
+
+def _hold_pending(outcome: CandidateOutcome, share: float | None = None) -> bool:
+    """Make a candidate judged on busy numbers `pending` when nothing but timing was left undecided."""
+    share = busy_share(outcome) if share is None else share
+    if outcome.status == "failed" or share is None or not all(g.passed or g.inconclusive for g in outcome.gates):
+        return False
+    outcome.status = "pending"
+    outcome.decision = Decision(f"pending: machine busy (other processes used {share:.0%} of the CPU while it was "
+                                "timed); speed not judged, the next quiet run decides")
+    return True
+
+
 def _outside_reason(outcome: CandidateOutcome) -> str:
     if outcome.status == "failed":
         return outcome.error or "failed"
@@ -73,13 +97,23 @@ def _outside_reason(outcome: CandidateOutcome) -> str:
 
 def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion: Champion | None) -> None:
     """Set `decision` on every candidate of one target."""
+    pending = [o for o in outcomes if _hold_pending(o)]
     passing = [o for o in outcomes if o.passed_gates]
-    holder = next((o for o in outcomes if champion and o.cache_key == champion.build_key), None)
+    holder = next((o for o in outcomes if champion and "build" in o.stages and same_engine(champion, o.stages["build"])),
+                  None)
+    if pending and holder in pending:
+        holder.decision = Decision(holder.decision.reason + f" (champion v{champion.version} keeps the alias)",
+                                   holds_alias=True)
     for outcome in outcomes:
-        if not outcome.passed_gates:
+        if not outcome.passed_gates and outcome not in pending:
             kept = " (still holds the alias: no passing candidate can replace it)" if outcome is holder and not passing else ""
             outcome.decision = Decision(_outside_reason(outcome) + kept, holds_alias=bool(kept))
     if not passing:
+        return
+    busy = next((share for o in outcomes if (share := busy_share(o)) is not None), None)
+    if busy is not None:  # the target's candidates share one measurement: busy for one is busy for all
+        for outcome in passing:
+            _hold_pending(outcome, busy)
         return
     measured = _measured_champion(outcomes) if champion else None
     label = measured.get("label") if measured else None
@@ -87,12 +121,31 @@ def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion
     comparisons = {o.candidate.name: _comparison(o, champion) for o in passing} if champion else {}
 
     def decide(outcome: CandidateOutcome, reason: str, take: bool = False, holds: bool = False) -> None:
-        outcome.decision = Decision(reason, take, comparisons.get(outcome.candidate.name), holds or take)
+        outcome.decision = Decision(reason, take, comparisons.get(outcome.candidate.name), holds or take,
+                                    champion.version if champion else None)
 
     if champion is None:
         for outcome in passing:
             decide(outcome, "no champion yet: fastest passing candidate" if outcome is best
                    else f"no champion yet: {best.candidate.name} is faster", outcome is best)
+        return
+    if measured and measured.get("version") not in (None, champion.version):
+        why = (f"the champion measured, v{measured['version']}, is not v{champion.version}, which held the alias when "
+               "this run started: the alias moved meanwhile; nothing moves, the next run compares with the new one")
+        for outcome in passing:
+            decide(outcome, why)
+        return
+    if holder is not None and holder.status == "failed":
+        mismatch = says_cannot_run_here(holder.error or "")
+        why = f"champion v{champion.version} " + (f"cannot run here ({holder.error})" if mismatch
+                                                   else f"errored today ({holder.error}), so it was not judged")
+        for outcome in passing:
+            take = bool(mismatch) and outcome is best
+            decide(outcome, f"{why}: fastest passing candidate" if take else f"{why}: nothing moves" if not mismatch
+                   else f"{why}: {best.candidate.name} is faster", take)
+        if not mismatch:
+            holder.decision = Decision(f"{holder.error} (still holds the alias: an error is no verdict)",
+                                       holds_alias=True)
         return
     if holder is not None and not holder.passed_gates:
         why = f"champion v{champion.version} fails today's gates"

@@ -2,9 +2,10 @@
 and it loads and runs.
 
 A cached build is trusted by its manifest, and the upload copies whatever is on disk; a file that
-rotted since (same size, other bytes) or an engine that no longer loads must never become a version
-a deploy system can fetch. So, right before a version is created: every file's sha256 is compared
-with the build manifest (and with the digest recorded when the engine was uploaded), then the
+rotted since (same size, other bytes, even under unchanged times and inode) or an engine that no
+longer loads must never become a version a deploy system can fetch. So, right before a version is
+created, every byte is read again: each file's sha256 is compared with the build manifest (and
+with the digest recorded when the engine was uploaded, itself read byte by byte), then the
 engine is loaded on its target and run once at the first profile's min point, with inputs made
 from the signature the build or export recorded. Outputs must be finite.
 """
@@ -22,26 +23,40 @@ class EngineRejected(RuntimeError):
     """The engine may not be registered; the message says which file or step failed."""
 
 
-def engine_digest(build: StageResult) -> str:
-    """One sha256 over the build's files (names and contents), recorded at upload and checked at registration."""
+def read_digests(build: StageResult) -> dict[str, str]:
+    """The sha256 of every file the build manifest lists, each read from disk now, byte by byte: no
+    cache, since rot can leave a file's size, times and inode as they were."""
+    digests = {}
+    for name in sorted(build.manifest.get("files", {})):
+        path = build.file(name)
+        if not path.is_file():
+            raise EngineRejected(f"{build.path}: engine file {name} is missing")
+        digests[name] = file_digest(path, reread=True)
+    return digests
+
+
+def engine_digest(build: StageResult, digests: dict[str, str] | None = None) -> str:
+    """One sha256 over the build's files (names and contents), recorded at upload and checked at registration.
+    `digests` as `read_digests` returns them; without, files unchanged since this process read them are
+    not read again."""
     import hashlib
 
     digest = hashlib.sha256()
     for name in sorted(build.manifest.get("files", {})):
-        digest.update(name.encode() + b"\0" + file_digest(build.file(name)).encode() + b"\n")
+        file_sha = digests[name] if digests is not None else file_digest(build.file(name))
+        digest.update(name.encode() + b"\0" + file_sha.encode() + b"\n")
     return digest.hexdigest()
 
 
-def verify_files(build: StageResult) -> None:
-    """Every file the build manifest lists is present with its recorded sha256 (when one is recorded)."""
+def verify_files(build: StageResult) -> dict[str, str]:
+    """Every file the build manifest lists is present with its recorded sha256, read now; returns the digests."""
+    digests = read_digests(build)
     for name, meta in build.manifest.get("files", {}).items():
-        path = build.file(name)
-        if not path.is_file():
-            raise EngineRejected(f"{build.path}: engine file {name} is missing")
         expected = meta.get("sha256")
-        if expected and file_digest(path) != expected:
-            raise EngineRejected(f"{path}: sha256 differs from the build manifest's {expected[:16]}…: "
+        if expected and digests[name] != expected:
+            raise EngineRejected(f"{build.file(name)}: sha256 differs from the build manifest's {expected[:16]}…: "
                                  "the cached engine changed since it was built")
+    return digests
 
 
 def _dim(value: Any, shape: dict[str, int]) -> int:
@@ -106,7 +121,7 @@ def run_once(spec: Any, stages: dict[str, StageResult]) -> None:
 def check_before_registering(spec: Any, stages: dict[str, StageResult], uploaded_digest: str | None) -> None:
     """Raise EngineRejected unless the engine's files are intact (and as uploaded) and it loads and runs."""
     build = stages["build"]
-    verify_files(build)
-    if uploaded_digest and engine_digest(build) != uploaded_digest:
+    digests = verify_files(build)
+    if uploaded_digest and engine_digest(build, digests) != uploaded_digest:
         raise EngineRejected(f"{build.path}: the engine's files changed since they were uploaded to MLflow")
     run_once(spec, stages)

@@ -4,6 +4,10 @@ Threshold gates judge the candidate against the file's limits (accuracy vs the P
 validity, performance); the regression gate compares its accuracy with the previous registered
 version of the same (pipeline, precision, target) — never with another precision's numbers. Speed
 against the champion is not a gate: it decides who holds the alias (tasks/decide.py).
+
+Timing measured while other processes used the CPU (tasks/hostload.py) judges nothing: the
+performance gate is then inconclusive (the candidate ends `pending`), whatever the numbers say;
+accuracy and validity gates still apply.
 """
 
 from __future__ import annotations
@@ -29,6 +33,16 @@ def _check(name: str, thresholds: dict[str, Threshold], values: dict[str, float]
             shown = f" (95% interval [{interval[0]:.3g}, {interval[1]:.3g}])" if None not in interval else ""
             reasons.append(f"{metric} {why}{shown}")
     return GateResult(name, not reasons, tuple(reasons))
+
+
+def performance_gate(spec: PipelineSpec, metrics: dict[str, float]) -> GateResult:
+    """The `performance.gates` thresholds, or inconclusive when the measurement was contended: a busy
+    machine neither fails nor passes a candidate on speed (nor crowns one: tasks/decide.py)."""
+    if metrics.get("host.contended"):
+        share = metrics.get("host.foreign_cpu_share", float("nan"))
+        return GateResult("performance", False, (f"inconclusive: machine busy (other processes used {share:.0%} of "
+                                                 "the CPU while it was timed); speed not judged",), inconclusive=True)
+    return _check("performance", spec.performance.gates, metrics)
 
 
 def validity_gate(validity: dict[str, Any] | None) -> GateResult:
@@ -71,13 +85,24 @@ def regression_gate(spec: PipelineSpec, metrics: dict[str, float], previous: dic
     return GateResult("regression", not reasons, tuple(reasons))
 
 
+def accuracy_gate(spec: PipelineSpec, values: dict[str, float], validity: dict[str, Any] | None) -> GateResult:
+    """The `accuracy.gates` thresholds, and no sample with a NaN or Inf figure: a mean over samples may hide one,
+    so each is named (the accuracy stage records them with its validity checks)."""
+    checked = _check("accuracy", spec.accuracy.gates, values)
+    bad = (validity or {}).get("nonfinite_samples") or {}
+    named = tuple(f"{column} is NaN or Inf in sample{'s' if len(samples) > 1 else ''} "
+                  f"{', '.join(map(str, samples[:5]))}{f' and {len(samples) - 5} more' if len(samples) > 5 else ''}"
+                  for column, samples in sorted(bad.items()))
+    return GateResult("accuracy", checked.passed and not named, checked.reasons + named)
+
+
 def evaluate(spec: PipelineSpec, metrics: dict[str, float], validity: dict[str, Any] | None,
              previous: dict[str, Any] | None) -> list[GateResult]:
     """All gates for one candidate (metrics named as in tasks.metrics), in the order a user reads them."""
     accuracy_values = {k.removeprefix("accuracy."): v for k, v in metrics.items() if k.startswith("accuracy.")}
     return [
         validity_gate(validity),
-        _check("accuracy", spec.accuracy.gates, accuracy_values),
-        _check("performance", spec.performance.gates, metrics),
+        accuracy_gate(spec, accuracy_values, validity),
+        performance_gate(spec, metrics),
         regression_gate(spec, metrics, previous),
     ]

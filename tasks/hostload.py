@@ -14,7 +14,8 @@ from pathlib import Path
 
 PROC_STAT = Path("/proc/stat")
 CPUINFO = Path("/proc/cpuinfo")
-# Other processes using more than this share of all cores during a measurement make it contended.
+# Other processes using more than this share of all cores during a measurement make it contended
+# (the default of the pipeline setting benchmark.contended_above).
 CONTENDED_SHARE = 0.25
 
 
@@ -60,23 +61,28 @@ class HostLoad:
     load_start: float
     load_end: float | None = None
     foreign_cpu_share: float | None = None
+    contended_above: float = CONTENDED_SHARE
 
     @property
     def contended(self) -> bool:
-        return self.foreign_cpu_share is not None and self.foreign_cpu_share > CONTENDED_SHARE
+        return self.foreign_cpu_share is not None and self.foreign_cpu_share > self.contended_above
 
     def as_dict(self) -> dict[str, object]:
         return {"cpu": self.cpu, "cores": self.cores, "load_start": self.load_start, "load_end": self.load_end,
                 "foreign_cpu_share": self.foreign_cpu_share, "contended": self.contended,
-                "contended_above": CONTENDED_SHARE}
+                "contended_above": self.contended_above}
 
 
 class LoadWatch:
-    """Context manager: `with LoadWatch() as load: measure()`, then read `load`."""
+    """Context manager: `with LoadWatch() as load: measure()`, then read `load`. `contended_above`: the share
+    of all cores other processes may use before the measurement counts as contended."""
+
+    def __init__(self, contended_above: float = CONTENDED_SHARE):
+        self._contended_above = contended_above
 
     def __enter__(self) -> HostLoad:
         self._wall, self._busy, self._own = time.monotonic(), _busy_ticks(), _own_ticks()
-        self.load = HostLoad(cpu_model(), os.cpu_count() or 1, _load())
+        self.load = HostLoad(cpu_model(), os.cpu_count() or 1, _load(), contended_above=self._contended_above)
         return self.load
 
     def __exit__(self, *exc: object) -> None:

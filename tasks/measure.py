@@ -1,28 +1,37 @@
 """Engines timed side by side in interleaved rounds until their ratios are known to a given precision.
 
-Each round gives every contender one slot, in an order that rotates from round to round (ABC,
-BCA, CAB, ...), so no engine always runs right after the same other one. A slot is a few calls
-(enough to last SLOT_MS; its median is the round's value), so a sub-millisecond engine is not
-timed on one noisy call. Rounds continue until every requested ratio's 95% interval is within
+Each round gives every contender one slot, in an order drawn afresh every other round (seeded, so a
+run is repeatable) and reversed in the round after (ABBA): every engine runs before and after every
+other one equally often, so an engine that leaves the machine warm or busy for whoever follows
+(spinning thread pools, caches, clocks) biases no ratio. A plain rotation (ABC, BCA, CAB) would not
+do: B always follows A. A slot is a few calls (enough to last SLOT_MS; its median is the round's
+value), so a sub-millisecond engine is not timed on one noisy call. One untimed round runs first
+(each engine's first slot after the others ran is its slowest). Rounds continue until every requested ratio's 95% interval is within
 ±precision (conclusive, checked from `min_rounds` on, so a lucky few rounds cannot end it), or
-`max_seconds` is spent (inconclusive; the budget holds even before `min_rounds`, so a busy machine
-cannot make the stage run for ever). Every raw
+`max_seconds` is spent (inconclusive). The budget never stops the rounds before `min_rounds` and
+MIN_ROUNDS (fewer rounds give no 95% interval): the rounds go on and `extended` says so. Every raw
 call time is kept. Pattern from pyperf and MLPerf LoadGen: a minimum duration, then early stopping.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from tasks.stats import Ratio, paired_ratio
+from tasks.stats import MIN_ROUNDS, Ratio, paired_ratio
 
 SLOT_MS = 25.0
 MAX_CALLS_PER_SLOT = 64
 MAX_ROUNDS = 2000
+ORDER_SEED = 20261204  # the slot order of every round: drawn, but the same each run
+# A pause before every slot: the thread pool of the engine that just ran spins for a while after its last
+# call (ONNX Runtime, OpenMP), taking cores from the next engine's threads, which a timer of one engine
+# alone never sees. Found by benchmarks/interval_vs_timer.py.
+SETTLE_S = 0.01
 
 # Times `n` calls of one engine and returns each call's milliseconds.
 Timer = Callable[[int], list[float]]
@@ -43,6 +52,7 @@ class Rounds:
     samples_ms: dict[str, list[list[float]]] = field(default_factory=dict)
     seconds: float = 0.0
     pairs: list[tuple[str, str]] = field(default_factory=list)
+    extended: str | None = None  # the budget ran out before the minimum rounds: by how much it was exceeded
 
     @property
     def count(self) -> int:
@@ -63,16 +73,32 @@ class Rounds:
         return all(self.ratio(base, other).conclusive(precision) for base, other in self.pairs)
 
 
+# Called after every round with the rounds so far and the precision asked for, so a progress display can
+# follow a long measurement (flows/progress.py sets it; measuring never depends on it).
+round_observer: Callable[[Rounds, float], None] | None = None
+
+
 def _calls_per_slot(timer: Timer) -> int:
     one = max(statistics.median(timer(3)), 1e-3)
     return max(1, min(MAX_CALLS_PER_SLOT, math.ceil(SLOT_MS / one)))
+
+
+def slot_orders(names: list[str], seed: int = ORDER_SEED) -> Iterator[list[str]]:
+    """Round after round, the order of the slots: a seeded random permutation, then the same reversed
+    (ABBA), so every pair runs in both orders in every two rounds."""
+    rng = random.Random(seed)
+    while True:
+        order = list(names)
+        rng.shuffle(order)
+        yield order
+        yield order[::-1]
 
 
 def measure_rounds(contenders: list[Contender], pairs: list[tuple[str, str]], *, warmup: int, min_rounds: int,
                    max_seconds: float, precision: float) -> Rounds:
     """Interleave the contenders until every (baseline, contender) pair in `pairs` is conclusive or time is up.
 
-    `warmup` calls of each contender run first and are not kept.
+    `warmup` calls of each contender run first and are not kept, then one untimed round.
     """
     names = [c.name for c in contenders]
     if len(set(names)) != len(names):
@@ -84,13 +110,27 @@ def measure_rounds(contenders: list[Contender], pairs: list[tuple[str, str]], *,
         if warmup:
             contender.timer(warmup)
     calls = {c.name: _calls_per_slot(c.timer) for c in contenders}
+    by_name = {c.name: c for c in contenders}
+    for name in names:  # the untimed round
+        time.sleep(SETTLE_S)
+        by_name[name].timer(calls[name])
+    orders = slot_orders(names)
     rounds = Rounds(names, calls, {name: [] for name in names}, pairs=list(pairs))
+    floor = max(min_rounds, MIN_ROUNDS)
+    spent_at = None  # rounds done when the budget ran out
     started = time.monotonic()
     for index in range(MAX_ROUNDS):
-        shift = index % len(contenders)
-        for contender in contenders[shift:] + contenders[:shift]:
-            rounds.samples_ms[contender.name].append(contender.timer(calls[contender.name]))
+        for name in next(orders):
+            time.sleep(SETTLE_S)
+            rounds.samples_ms[name].append(by_name[name].timer(calls[name]))
         rounds.seconds = time.monotonic() - started
-        if rounds.seconds >= max_seconds or (index + 1 >= min_rounds and rounds.conclusive(precision)):
+        if round_observer is not None:
+            round_observer(rounds, precision)
+        if spent_at is None and rounds.seconds >= max_seconds:
+            spent_at = index + 1
+        if index + 1 >= floor and (spent_at is not None or rounds.conclusive(precision)):
             break
+    if spent_at is not None and spent_at < floor:
+        rounds.extended = (f"the {max_seconds:g}s budget ran out after {spent_at} round(s); measured on to {floor} "
+                           f"rounds ({rounds.seconds:.1f}s): fewer give no 95% interval or fall short of min_rounds")
     return rounds

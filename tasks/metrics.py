@@ -35,6 +35,10 @@ def stage_metrics(stages: dict[str, StageResult]) -> dict[str, float]:
         metrics |= {f"accuracy.{k}": v for k, v in accuracy.outputs.get("metrics", {}).items()}
     if benchmark := stages.get("benchmark"):
         outputs = benchmark.outputs
+        host = outputs.get("host") or {}
+        if host.get("foreign_cpu_share") is not None:  # how busy the machine was: timing gates read it
+            metrics |= {"host.foreign_cpu_share": host["foreign_cpu_share"],
+                        "host.contended": float(bool(host.get("contended")))}
         metrics |= _point(outputs.get("gate_point") or {}, GATE_POINT_METRICS)
         for point in outputs.get("points", []):
             metrics |= _point(point, POINT_METRICS, f"b{point['batch']}_s{point['seq']}.")

@@ -67,8 +67,6 @@ MAX_PENDING_DAYS = 7
 MAX_SIGNATURE_AGE_S = 300
 _MAX_HEADER_CHARS = 1024
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
-_NOT_METRICS = {"cache_key", "candidate", "precision", "target", "status", "decision_reason", "promoted_at",
-                "superseded_by"}
 _LEGACY_STATUS_TAG = re.compile(r"^smelter\.notify\.(\d+)\.status$")
 
 log = logging.getLogger(__name__)
@@ -258,8 +256,7 @@ def _reconcile(spec: PipelineSpec, registered_model: str, boxes: dict[str, list[
     if current is not None and current.version == alias_version:
         return entries
     version = tracking.get_version(registered_model, alias_version)
-    metrics = {k: float(v) for k, v in version.tags.items() if k not in _NOT_METRICS and not k.startswith("smelter.")
-               and _is_number(v)}
+    metrics = key_metrics({k: float(v) for k, v in version.tags.items() if _is_number(v)})
     event = {"event": EVENT, "pipeline": spec.name, "target": version.tags.get("target", ""),
              "precision": version.tags.get("precision", ""), "candidate": version.tags.get("candidate", ""),
              "registered_model": registered_model, "version": alias_version, "alias": spec.promotion.alias,

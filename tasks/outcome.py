@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -9,7 +11,8 @@ from tasks.metrics import RATIOS
 from tasks.spec import Candidate
 from tasks.store import StageResult
 
-Status = Literal["promoted", "passed", "rejected", "failed"]
+# pending: judged on numbers taken on a busy machine; neither rejected nor registered, the next quiet run decides
+Status = Literal["promoted", "passed", "pending", "rejected", "failed"]
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,7 @@ class GateResult:
     gate: str
     passed: bool
     reasons: tuple[str, ...] = ()
+    inconclusive: bool = False  # not passed, because it could not be judged (timing on a busy machine)
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class Champion:
     run_id: str
     build_key: str | None
     precision: str | None
+    engine_digest: str | None = None  # what identifies its engine (tasks/champion.py `same_engine`); None: older versions
 
     @property
     def label(self) -> str:
@@ -44,6 +49,7 @@ class Decision:
     take_alias: bool = False
     vs_champion: dict[str, Any] | None = None  # {"version", "ratio", "ci", "conclusive"}
     holds_alias: bool = False  # after this run: it took the alias, or kept it
+    champion: str | None = None  # the version holding the alias when this was decided: the alias moves only from it
 
     def as_dict(self) -> dict[str, Any]:
         return {"reason": self.reason, "take_alias": self.take_alias, "holds_alias": self.holds_alias,
@@ -77,7 +83,7 @@ class CandidateOutcome:
 
     @property
     def passed_gates(self) -> bool:
-        return self.status != "failed" and bool(self.gates) and all(g.passed for g in self.gates)
+        return self.status not in ("failed", "pending") and bool(self.gates) and all(g.passed for g in self.gates)
 
     @property
     def cache_key(self) -> str | None:
@@ -104,6 +110,14 @@ class CandidateOutcome:
             "model_version": self.model_version,
             "decision": self.decision.as_dict() if self.decision else None,
         }
+
+
+def tally(statuses: Iterable[str]) -> str:
+    """How a run ended, e.g. "1 promoted, 2 rejected, 0 pending, 0 failed" (and how many passed without
+    being promoted, when any did): the flow run's final message."""
+    counts = Counter(statuses)
+    text = ", ".join(f"{counts[s]} {s}" for s in ("promoted", "rejected", "pending", "failed"))
+    return text + (f"; {counts['passed']} passed, not promoted" if counts["passed"] else "")
 
 
 def _repaired(stage: StageResult) -> dict[str, str]:

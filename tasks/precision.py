@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 STAGE = "precision"
 TOOLS = ("onnx", "onnxruntime")
-CODE = ("tasks.precision", "tasks.qdq_lint", "tasks.inputs")  # what the stage computes: part of the key
+CODE = ("tasks.precision", "tasks.qdq_lint", "tasks.inputs", "tasks.int8_fallback")  # what the stage computes: part of the key
 MODEL_FILE = "model.onnx"
 CPU_MODEL_FILE = "model.cpu.onnx"
 CALIBRATION_FILE = "calibration.json"
@@ -83,6 +83,10 @@ def _config(spec: PipelineSpec, precision: str) -> dict[str, Any]:
         config |= {"quantization": spec.quantization, "calibration": spec.calibration,
                    "calibration_data_sha256": file_digest(spec.resolve(spec.calibration.data)),
                    "calibration_past": _calibration_past(spec), "op_types": list(QUANTIZED_OP_TYPES)}
+        if spec.quantization.accuracy_fallback is not None:  # the fallback aims at these gates
+            from tasks.int8_fallback import gated_metrics
+
+            config["fallback_gates"] = gated_metrics(spec)
     return config
 
 
@@ -285,14 +289,31 @@ def _int8(spec: PipelineSpec, source: Path, out_dir: Path) -> dict[str, Any]:
     method = calibration_method(spec.calibration.method)
     op_types = [t for t in QUANTIZED_OP_TYPES if t not in spec.quantization.exclude_op_types]
     calibration_path = out_dir / CALIBRATION_FILE
-    quantize_static(source, out_dir / MODEL_FILE, text_calibration_reader(batches), quant_format=QuantFormat.QDQ,
-                    op_types_to_quantize=op_types, per_channel=True, activation_type=QuantType.QInt8,
-                    weight_type=QuantType.QInt8, nodes_to_exclude=excluded, calibrate_method=method,
-                    extra_options=_tensorrt_options(model), calibration_cache_path=calibration_path)
+
+    def quantize(nodes_to_exclude: list[str]) -> None:
+        """The first call calibrates and writes calibration.json; later ones reuse its ranges."""
+        reader = None if calibration_path.is_file() else text_calibration_reader(batches)
+        quantize_static(source, out_dir / MODEL_FILE, reader, quant_format=QuantFormat.QDQ,
+                        op_types_to_quantize=op_types, per_channel=True, activation_type=QuantType.QInt8,
+                        weight_type=QuantType.QInt8, nodes_to_exclude=nodes_to_exclude, calibrate_method=method,
+                        extra_options=_tensorrt_options(model), calibration_cache_path=calibration_path)
+
+    quantize(excluded)
+    fallback = {}
+    if spec.quantization.accuracy_fallback is not None:
+        from tasks.int8_fallback import keep_until_passing
+
+        excluded, record = keep_until_passing(spec, source, out_dir / MODEL_FILE, batches, excluded, op_types,
+                                              quantize)
+        fallback = {"accuracy_fallback": record}
     lint = check_qdq(onnx.load(str(out_dir / MODEL_FILE)), f"{spec.name} int8 {MODEL_FILE}")
     cpu_excluded, uncalibrated = _cpu_int8(spec, model, source, out_dir, excluded, method)
+    if fallback:
+        from tasks.int8_fallback import graph_metrics
+
+        fallback["accuracy_fallback"]["cpu_graph"] = graph_metrics(spec, source, out_dir / CPU_MODEL_FILE, batches)
     calib = spec.calibration
-    return _outputs("int8", excluded_nodes=excluded, lint={"passed": True, **lint},
+    return _outputs("int8", excluded_nodes=excluded, lint={"passed": True, **lint}, **fallback,
                     calibration={"data": calib.data, "sha256": file_digest(spec.resolve(calib.data)),
                                  "samples": calib.samples, "method": calib.method, "seq_len": calib.seq_len,
                                  "batch_size": calib.batch_size, "batches": len(batches)},

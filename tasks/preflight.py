@@ -20,7 +20,7 @@ from tasks.bounded_read import read_bounded
 from tasks.yaml_source import clip, shown
 
 if TYPE_CHECKING:
-    from tasks.spec import PipelineSpec
+    from tasks.config.schema import PipelineSpec
 
 MAX_DATA_BYTES = 256 << 20
 MAX_CONFIG_BYTES = 16 << 20
@@ -47,7 +47,7 @@ class Checks:
 
 
 def check(spec: PipelineSpec, *, allow_outside_paths: bool, check_env: bool) -> Checks:
-    found = Checks(problems=_data_problems(spec, allow_outside_paths), warnings=_idle_fp8_settings(spec))
+    found = Checks(problems=_data_problems(spec, allow_outside_paths), warnings=_idle_precision_settings(spec))
     _check_model(spec, found)
     if check_env:
         found.problems += [(("promotion", "webhooks", i, "secret_env"), f"environment variable {hook.secret_env} "
@@ -56,19 +56,17 @@ def check(spec: PipelineSpec, *, allow_outside_paths: bool, check_env: bool) -> 
     return found
 
 
-def _idle_fp8_settings(spec: PipelineSpec) -> list[Located]:
-    """A target's fp8 settings where it builds no fp8 engine change nothing: probably a missing precision."""
-    from tasks.spec import FP8_SETTINGS
-
-    fp8_targets = {c.target for c in spec.candidates() if c.precision == "fp8"}
+def _idle_precision_settings(spec: PipelineSpec) -> list[Located]:
+    """A target's settings for a precision it builds no engine of change nothing: probably a missing precision."""
+    built = {(c.target, c.precision) for c in spec.candidates()}
     idle = []
     for i, target in enumerate(spec.targets):
-        if target.name in fp8_targets:
-            continue
-        for key in FP8_SETTINGS:
-            if key in target.model_fields_set:
-                idle.append((("targets", i, key), f"target {target.name} builds no fp8 engine (precisions: "
-                                                  f"{', '.join(spec.precisions)}), so {key} changes nothing"))
+        for precision, keys in target.precision_settings.items():
+            if (target.name, precision) in built:
+                continue
+            idle += [(("targets", i, key), f"target {target.name} builds no {precision} engine (precisions: "
+                                          f"{', '.join(spec.precisions)}), so {key} changes nothing")
+                     for key in keys if key in target.model_fields_set]
     return idle
 
 

@@ -1,19 +1,25 @@
 """Register passing candidates and move the promotion alias to the chosen one, all or nothing.
 
-One registered model per (pipeline, target); one version per build key. The candidate whose
-decision (tasks/decide.py) says it takes the alias gets `promotion.alias`. Each registered model is
-promoted under its promotion lock (tasks/locks.py), in this order:
+One registered model per (pipeline, target); one version per engine, known by its bytes' digest
+(tag `engine_sha256`): the same bytes never make two versions, and a rebuild from the same inputs
+with other bytes (TensorRT is not bit-reproducible; `--force`, a repair) is a new version. The
+candidate whose decision (tasks/decide.py) says it takes the alias gets `promotion.alias`. Each
+registered model is promoted under its promotion lock (tasks/locks.py, which other hosts honour
+through Prefect), in this order:
 
 1. each passing engine not yet registered is hash-checked and run once (tasks/engine_check.py);
    one that fails is `failed` with the reason, and the alias does not move for it;
-2. a version is created (or the one with the same build key reused); if another version with the
-   same key appeared meanwhile, the lowest wins and the other is removed;
-3. the promoted version's tags are refreshed (status, reason, metrics at promotion time);
-4. the event is recorded in the version's outbox (tasks/notify.py), in one write, pending;
-5. the alias moves.
+2. a version is created (or the one with the same bytes reused, its metric tags, description and
+   engine card brought to today's measurement when that one is newer); if another version with
+   the same bytes appeared meanwhile, the lowest wins and the other is removed;
+3. compare-and-set: the alias is read again; if it no longer points where it pointed when the
+   decision was taken (another run or a person moved it), nothing moves and the candidate says why;
+4. the promoted version's tags are refreshed (status, reason, metrics at promotion time);
+5. the event is recorded in the version's outbox (tasks/notify.py), in one write, pending;
+6. the alias moves.
 
-A crash after 4 and before 5 leaves an event the next run abandons (the alias never reached it);
-a crash after 5 leaves a pending event the next run sends. Every registry change is undone if a
+A crash after 5 and before 6 leaves an event the next run abandons (the alias never reached it);
+a crash after 6 leaves a pending event the next run sends. Every registry change is undone if a
 later step fails, so a deploy system never sees a half-made promotion.
 """
 
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -69,9 +75,10 @@ def promote(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[Candid
     """Register passing candidates and give the alias to the one each target's decision chose.
 
     Candidates must already be logged (`tracking.log_candidate` sets `run_id`): a registry version
-    points at its run's `engine` artifacts. Sets status, model_name and model_version on the
-    outcomes; `notify.notify_promotions` sends the recorded events afterwards. Raises
-    PromotionError, leaving the registry as it was, when any registry step fails.
+    points at its run's `engine` artifacts. The alias moves only from the version the decision saw
+    (`Decision.champion`). Sets status, model_name and model_version on the outcomes;
+    `notify.notify_promotions` sends the recorded events afterwards. Raises PromotionError, leaving
+    the registry as it was, when any registry step fails.
     """
     unlogged = [o.candidate.name for o in outcomes if o.passed_gates and not o.run_id]
     if unlogged:
@@ -103,7 +110,7 @@ def promote(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[Candid
 def _engine_ok(spec: PipelineSpec, outcome: CandidateOutcome) -> bool:
     """Check an engine that is about to become a new version; a bad one fails its candidate, alias unmoved."""
     name = tracking.registered_model_name(spec.name, outcome.candidate.target)
-    if outcome.cache_key and tracking.find_versions(name, {"cache_key": outcome.cache_key}):
+    if _same_engine(name, outcome):
         return True  # checked when it was registered; the registry's copy is what deploys fetch
     try:
         with tempfile.TemporaryDirectory(prefix="smelter-engine-") as work_dir:
@@ -136,7 +143,10 @@ def _promote_target(spec: PipelineSpec, target: TargetSpec, passing: list[Candid
                  lambda: tracking.restore_registered_model(before, list(tags)))
     versions = {o.candidate.name: _register(name, alias, o, undo) for o in passing}
     best = next((o for o in passing if o.decision and o.decision.take_alias), None)
-    previous = tracking.alias_version(name, alias)
+    previous = tracking.alias_version(name, alias)  # read again under the lock: compare, then set
+    if best is not None and previous != best.decision.champion:
+        _alias_moved_meanwhile(passing, alias, best.decision.champion, previous)
+        best = None
     promoted = best is not None and previous != versions[best.candidate.name]
     if promoted:
         version = versions[best.candidate.name]
@@ -153,26 +163,44 @@ def _promote_target(spec: PipelineSpec, target: TargetSpec, passing: list[Candid
     return [_Decision(o, name, versions[o.candidate.name], promoted and o is best) for o in passing]
 
 
+def _alias_moved_meanwhile(passing: list[CandidateOutcome], alias: str, seen: str | None, now: str | None) -> None:
+    """The alias left the version the decision compared against: a newer champion is never overwritten, nor
+    judged on a comparison with another engine. Nothing moves; the next run measures against the new one."""
+    was, found = f"v{seen}" if seen else "no version", f"v{now}" if now else "no version"
+    why = (f"alias {alias} moved from {was} to {found} after this run decided (another run, or by hand); "
+           f"nothing moves: the next run compares with {found}")
+    for outcome in passing:
+        if outcome.decision and (outcome.decision.take_alias or outcome.decision.holds_alias):
+            outcome.decision = Decision(f"{outcome.decision.reason}; not applied: {why}",
+                                        vs_champion=outcome.decision.vs_champion, champion=seen)
+
+
+def _same_engine(name: str, outcome: CandidateOutcome) -> list[tracking.RegisteredVersion]:
+    """The versions already holding this candidate's engine bytes, oldest first."""
+    build = outcome.stages["build"]
+    return tracking.versions_of_engine(name, tracking.recorded_engine_digest(build), build.key)
+
+
 def _register(name: str, alias: str, outcome: CandidateOutcome, undo: _Undo) -> str:
-    """The one version for this engine's build key: an existing one, else a new one.
+    """The one version for this engine's bytes: an existing one (its figures brought up to date), else a new one.
 
     Reusing keeps an unchanged nightly re-run from piling up identical versions and from
     announcing the engine already in production as a new promotion. Should another process have
-    created a version for the same key meanwhile (a host outside this lock), the lowest wins.
+    created a version for the same bytes meanwhile (a host outside this lock), the lowest wins.
     """
-    if outcome.cache_key:
-        same_engine = tracking.find_versions(name, {"cache_key": outcome.cache_key})
-        if same_engine:
-            return same_engine[0].version
+    same_engine = _same_engine(name, outcome)
+    if same_engine:
+        _refresh_measurement(name, same_engine[0], outcome, undo)
+        return same_engine[0].version
+    build = outcome.stages["build"]
     tags = {"candidate": outcome.candidate.name, "precision": outcome.candidate.precision,
-            "target": outcome.candidate.target, "cache_key": outcome.cache_key or ""}
-    tags |= _metric_tags(outcome)
-    created = tracking.create_version(name, outcome.run_id, tags, description=f"engine of {outcome.candidate.name}")
+            "target": outcome.candidate.target, "cache_key": outcome.cache_key or "",
+            tracking.ENGINE_DIGEST_TAG: tracking.recorded_engine_digest(build) or ""}
+    tags |= _metric_tags(outcome) | tracking.measurement(outcome)
+    created = tracking.create_version(name, outcome.run_id, tags, description=_version_description(outcome))
     undo.add(f"delete version {created.version} of {name}", lambda: tracking.delete_version(name, created.version))
     killpoints.reach("version.created")
-    if not outcome.cache_key:
-        return created.version
-    same_engine = tracking.find_versions(name, {"cache_key": outcome.cache_key})
+    same_engine = _same_engine(name, outcome)
     lowest = same_engine[0].version if same_engine else created.version
     if lowest != created.version:
         tracking.delete_version(name, created.version)
@@ -185,6 +213,34 @@ def _register(name: str, alias: str, outcome: CandidateOutcome, undo: _Undo) -> 
     return created.version
 
 
+def _version_description(outcome: CandidateOutcome) -> str:
+    """What the registry's version page says first: whose engine, and when its figures (the tags) were measured."""
+    measured = tracking.measurement(outcome)
+    return f"Engine of {outcome.candidate.name}." + (f" {tracking.measured_sentence(measured)}" if measured else "")
+
+
+def _refresh_measurement(name: str, version: tracking.RegisteredVersion, outcome: CandidateOutcome,
+                         undo: _Undo) -> None:
+    """Bring a reused version's metric tags, description and engine card to this run's measurement, when that
+    one is another (a re-measurement replaced the published one) and not older than what the tags show."""
+    measured = tracking.measurement(outcome)
+    if not measured or version.tags.get(tracking.MEASURED_BENCHMARK) == measured[tracking.MEASURED_BENCHMARK] \
+            or version.tags.get(tracking.MEASURED_AT, "") > measured[tracking.MEASURED_AT]:
+        return
+    metrics = _metric_tags(outcome)
+    stale = [k for k in key_metrics(dict.fromkeys(version.tags, 0.0)) if k not in metrics]  # not measured today
+    _refresh_tags(name, version.version, metrics | measured, undo, drop=stale)
+    old_description = tracking.version_description(name, version.version)
+    tracking.set_version_description(name, version.version, _version_description(outcome))
+    undo.add(f"restore the description of {name} version {version.version}",
+             lambda: tracking.set_version_description(name, version.version, old_description))
+    section = tracking.metrics_section(key_metrics(stage_metrics(outcome.stages)), measured)
+    card = tracking.replace_card_metrics(version.run_id, section) if version.run_id != outcome.run_id else None
+    if card is not None:
+        undo.add(f"restore the engine card of {name} version {version.version}",
+                 lambda: tracking.restore_card(version.run_id, card))
+
+
 def _metric_tags(outcome: CandidateOutcome) -> dict[str, str]:
     return {k: f"{v:.6g}" for k, v in key_metrics(stage_metrics(outcome.stages)).items()}
 
@@ -193,21 +249,25 @@ def _promotion_tags(outcome: CandidateOutcome) -> dict[str, str]:
     """What a version that takes the alias says about it, now: a version getting the alias back is refreshed."""
     reason = outcome.decision.reason if outcome.decision else "promoted"
     return ({"status": "promoted", "decision_reason": reason[:tracking.MAX_TAG_CHARS],
-             "promoted_at": datetime.now(UTC).isoformat(), "superseded_by": ""} | _metric_tags(outcome))
+             "promoted_at": datetime.now(UTC).isoformat(), "superseded_by": ""} | _metric_tags(outcome)
+            | tracking.measurement(outcome))
 
 
-def _refresh_tags(name: str, version: str, tags: dict[str, str], undo: _Undo) -> None:
+def _refresh_tags(name: str, version: str, tags: dict[str, str], undo: _Undo, drop: Sequence[str] = ()) -> None:
+    """Set `tags` and delete `drop` on a version, undoably."""
     before = tracking.get_version(name, version).tags
 
     def restore() -> None:
-        for key in tags:
+        for key in [*tags, *drop]:
             if key in before:
                 tracking.set_version_tags(name, version, {key: before[key]})
-            else:
+            elif key in tags:
                 tracking.delete_version_tag(name, version, key)
 
     undo.add(f"restore the tags of {name} version {version}", restore)
     tracking.set_version_tags(name, version, tags)
+    for key in drop:
+        tracking.delete_version_tag(name, version, key)
 
 
 def _record_event(spec: PipelineSpec, outcome: CandidateOutcome, name: str, version: str, previous: str | None,
@@ -221,7 +281,7 @@ def _record_event(spec: PipelineSpec, outcome: CandidateOutcome, name: str, vers
 
 
 def _description(spec: PipelineSpec, target: TargetSpec) -> str:
-    where = f"{target.backend} on {target.arch}" if target.arch else target.backend
+    where = f"{target.backend} on {target.gpu_arch}" if target.gpu_arch else target.backend
     return (f"Engines of pipeline '{spec.name}' ({spec.model.id or spec.model.path}) for target "
             f"'{target.name}' ({where}). Each version passed every gate; alias "
             f"'{spec.promotion.alias}' marks the one in production.")
@@ -230,4 +290,4 @@ def _description(spec: PipelineSpec, target: TargetSpec) -> str:
 def _model_tags(spec: PipelineSpec, target: TargetSpec) -> dict[str, str]:
     tags = {"pipeline": spec.name, "target": target.name, "backend": target.backend,
             "model": spec.model.id or spec.model.path or ""}
-    return tags | ({"arch": target.arch} if target.arch else {})
+    return tags | ({"arch": target.gpu_arch} if target.gpu_arch else {})

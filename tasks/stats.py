@@ -19,6 +19,10 @@ import numpy as np
 
 CONFIDENCE = 0.95
 EXACT_UP_TO = 60  # rounds; beyond this the signed-rank distribution's normal approximation is used
+# The fewest rounds with a 95% signed-rank interval: below 6, even the full range of the Walsh averages
+# covers less than 95% (1 - 2/2^n), so no ratio is conclusive on fewer rounds, whatever the budget.
+MIN_ROUNDS = 6
+MAX_SERIAL_DECAY = 0.9  # beyond this, a few rounds cannot tell a trend from correlation: widen no further
 METHOD = "Hodges-Lehmann estimate of paired log ratios, Wilcoxon signed-rank 95% interval"
 
 
@@ -37,7 +41,8 @@ class Ratio:
         return (self.high - self.low) / (2 * self.ratio)
 
     def conclusive(self, precision: float) -> bool:
-        return self.rounds >= 2 and self.half_width <= precision
+        """Within ±precision, on enough rounds for a real 95% interval (MIN_ROUNDS)."""
+        return self.rounds >= MIN_ROUNDS and self.half_width <= precision
 
     def excludes(self, value: float) -> bool:
         return not self.low <= value <= self.high
@@ -62,7 +67,8 @@ def _interval_rank(n: int, confidence: float = CONFIDENCE) -> int:
     """k such that the k-th smallest and k-th largest Walsh averages bound the interval (1-based).
 
     The largest k with P(W+ < k) <= (1 - confidence) / 2; at least 1 (then the interval is the
-    full range of the Walsh averages, which is what too few rounds deserve).
+    full range of the Walsh averages, which is what too few rounds deserve; below MIN_ROUNDS that
+    range covers less than `confidence`, which is why such a ratio is never conclusive).
     """
     alpha = (1 - confidence) / 2
     if n <= EXACT_UP_TO:
@@ -105,8 +111,33 @@ def paired_ratio(slower: Sequence[float], faster: Sequence[float], confidence: f
     i, j = np.triu_indices(n)
     walsh = np.sort((d[i] + d[j]) / 2)
     k = _interval_rank(n, confidence)
-    return Ratio(ratio=float(math.exp(np.median(walsh))), low=float(math.exp(walsh[k - 1])),
-                 high=float(math.exp(walsh[-k])), rounds=n)
+    centre, widen = float(np.median(walsh)), serial_inflation(d)
+    return Ratio(ratio=math.exp(centre), low=math.exp(centre - widen * (centre - walsh[k - 1])),
+                 high=math.exp(centre + widen * (walsh[-k] - centre)), rounds=n)
+
+
+def serial_inflation(d: np.ndarray) -> float:
+    """How much wider the interval must be because consecutive rounds are alike (the signed-rank interval
+    assumes independent rounds; an engine whose state persists for a few rounds, through clocks, caches or
+    another process, would otherwise get a "95%" interval that covers 85%).
+
+    The square root of the long-run variance factor 1 + 2 * sum of the autocorrelations, those taken as
+    decaying geometrically from lag 1 at the rate lag 2 shows; autocorrelations of the ranks (so one
+    descheduled round can neither fake nor hide them), corrected for their small-sample bias towards
+    zero; never below 1, at most 3.
+    """
+    n = d.size
+    if n < 5:
+        return 1.0
+    ranks = np.argsort(np.argsort(d, kind="stable"), kind="stable").astype(np.float64)
+    ranks -= ranks.mean()
+    scale = float(np.dot(ranks, ranks))
+    if scale == 0:
+        return 1.0
+    lag1, lag2 = (float(np.dot(ranks[:-k], ranks[k:]) / scale) + 1.0 / n for k in (1, 2))
+    lag1, lag2 = max(lag1, 0.0) * (1 + 3.0 / n), max(lag2, 0.0) * (1 + 3.0 / n)
+    decay = min(lag2 / lag1, MAX_SERIAL_DECAY) if lag1 > 0.05 else 0.0
+    return math.sqrt(min(max(1 + 2 * min(lag1, MAX_SERIAL_DECAY) / (1 - decay), 1.0), 9.0))
 
 
 def wilson_interval(hits: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:

@@ -10,7 +10,6 @@ damaged one is moved aside (kept for inspection) and counts as absent, so its st
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -27,6 +26,9 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from tasks.holder import Holder, machine_id
+from tasks.locks import file_lock
 
 MANIFEST = "manifest.json"
 MANIFEST_DIGEST = "manifest_sha256"
@@ -85,14 +87,17 @@ def _note_digest(path: Path, stamp: list[int], sha256: str) -> None:
         _known[os.path.abspath(path)] = (stamp, sha256)
 
 
-def file_digest(path: Path) -> str:
+def file_digest(path: Path, *, reread: bool = False) -> str:
     """sha256 of the file's bytes; a file unchanged (same stamp) since this process last hashed or verified
-    it is not read again, so checking one engine at several steps of a run costs one read."""
+    it is not read again, so checking one engine at several steps of a run costs one read. `reread`: read
+    every byte whatever the stamp says (bytes can change under an unchanged stamp: bit rot, a tool that
+    restores times), for the checks that decide what a deploy system gets."""
     stamp = _stamp(path.stat())
-    with _known_lock:
-        known = _known.get(os.path.abspath(path))
-    if known is not None and known[0] == stamp:
-        return known[1]
+    if not reread:
+        with _known_lock:
+            known = _known.get(os.path.abspath(path))
+        if known is not None and known[0] == stamp:
+            return known[1]
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -228,7 +233,7 @@ class ArtifactStore:
         """This host's lock on one key (a file lock in the store): one builder, one repairer at a time."""
         path = self.root / LOCKS_DIR / pipeline / stage / f"{key}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _file_lock(path):
+        with file_lock(path, reentrant=True):
             yield
 
     @contextlib.contextmanager
@@ -396,69 +401,21 @@ class StageWriter:
         (self.dir / MANIFEST).write_text(json.dumps(sealed, indent=2))
 
 
-def _machine_id() -> str:
-    """This host in this boot: process ids are comparable only within it."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = "no-boot-id"
-    return hashlib.sha256(f"{socket.gethostname()}/{boot}".encode()).hexdigest()[:10]
-
-
-def _process_start(pid: int) -> str | None:
-    """A process's start time in clock ticks since boot (None when it is gone): tells a reused pid apart."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
 def owned_temp_dir(parent: Path, key: str) -> Path:
     """A temp dir named `.<key>.<machine>-<pid>-<start>.<random>`, so a later run can tell whether its writer lives."""
-    pid = os.getpid()
-    owner = f"{_machine_id()}-{pid}-{_process_start(pid) or 0}"
-    return Path(tempfile.mkdtemp(prefix=f".{key}.{owner}.", dir=parent))
+    me = Holder.current()
+    return Path(tempfile.mkdtemp(prefix=f".{key}.{me.machine}-{me.pid}-{me.start}.", dir=parent))
 
 
 def _writer_gone(tmp: Path) -> bool:
     parts = tmp.name.split(".")
     owner = parts[2].split("-") if len(parts) == 4 else []
-    if len(owner) == 3 and owner[0] == _machine_id() and owner[1].isdigit():
-        return _process_start(int(owner[1])) != owner[2]
+    if len(owner) == 3 and owner[0] == machine_id() and owner[1].isdigit():
+        return Holder("", owner[0], int(owner[1]), owner[2]).gone()
     try:
         return tmp.stat().st_mtime < time.time() - FOREIGN_TEMP_S
     except OSError:
         return False
-
-
-_held: dict[str, tuple[int, int]] = {}
-_held_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive flock, re-entrant within this process (a repair inside a build holds it already)."""
-    name = str(path)
-    with _held_lock:
-        fd, depth = _held.get(name, (-1, 0))
-        if depth:
-            _held[name] = (fd, depth + 1)
-    if not depth:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        with _held_lock:
-            _held[name] = (fd, 1)
-    try:
-        yield
-    finally:
-        with _held_lock:
-            fd, depth = _held[name]
-            if depth > 1:
-                _held[name] = (fd, depth - 1)
-            else:
-                del _held[name]
-                os.close(fd)  # closing releases the flock
 
 
 def _publish(tmp: Path, final: Path, key: str) -> None:

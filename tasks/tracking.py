@@ -7,15 +7,20 @@ MLflow's own configuration applies: MLFLOW_TRACKING_URI when set, else MLflow's 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
+import html
 import json
+import math
 import os
 import platform
 import socket
+import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -35,6 +40,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from tasks import engine_check, killpoints, locks
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion
+from tasks.holder import Holder, machine_id
 from tasks.redact import redacted_url
 from tasks.spec import Candidate, PipelineSpec, registered_model_name
 from tasks.store import MANIFEST, StageResult
@@ -47,11 +53,22 @@ HEALTH_TIMEOUT_S = 5.0
 MAX_TAG_CHARS = 8000
 HEADLINE_PREFIX = "_"  # sorts before every other metric name in MLflow's run table and compare view
 DESCRIPTION_TAG = "mlflow.note.content"  # what the MLflow UI shows as a run's description
+# MLflow 3's UI opens an experiment by its kind: without it a smelter experiment opens on GenAI traces
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+COMPARISON_COLUMNS = ["engine", "versus", "ratio", "ci_low", "ci_high", "conclusive"]  # what a decision reads
 OUTCOME_RECORD = "smelter/outcome.json"  # a candidate's stage results, as the parent run rebuilds them
 OWNER_TAG = "smelter.owner"  # "<host> <pid> <process start>": who may still be writing a RUNNING run
 ENGINE_DIGEST_TAG = "engine_sha256"
 ENGINE_SOURCE_TAG = "engine_source"  # the engine's copy in MLflow when the run did not upload one itself
 ENGINE_CHECK_TAG = "engine_check"  # "passed", or why not: the verdict of the host that built the engine
+SUMMARY_FIGURE = "summary.png"  # speedup of every candidate of a run, on the parent run and each engine card
+OUTBOX_TAG = "smelter.events"  # a version's promotion events (tasks/notify.py writes it)
+OUTBOX_STATUS_TAG = "smelter.events.status"  # the same, in a few words
+# Where a registry version's metric tags come from: when that benchmark ran, whether other processes competed
+# for the CPU (and how much), its key and the run that read it. A less busy re-measurement replaces them.
+MEASURED_AT, MEASURED_CONTENDED, MEASURED_CPU_SHARE = "measured_at", "measured_contended", "measured_cpu_share"
+MEASURED_BENCHMARK, MEASURED_RUN = "measured_benchmark", "measured_run"
+ENGINE_CARD = "engine_card.md"
 _initialised: set[str] = set()
 
 
@@ -77,35 +94,22 @@ def init_store() -> None:
     _initialised.add(uri)
 
 
-def _process_start(pid: int) -> str | None:
-    """When a process started (clock ticks since boot), so a reused pid is not taken for the owner; None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return "?"
-
-
 def owner_tag() -> str:
-    return f"{socket.gethostname()} {os.getpid()} {_process_start(os.getpid())}"
+    """`host pid start machine`: the process that owns a run, as `_owner_gone` checks it."""
+    me = Holder.current()
+    return f"{me.host} {me.pid} {me.start} {me.machine}"
 
 
 def _owner_gone(owner: str) -> bool:
-    """True only when the owner ran on this host and that process no longer exists."""
-    try:
-        host, pid, started = owner.split(" ")
-    except ValueError:
+    """True only when the owner ran on this host and that process no longer exists (a tag without the
+    machine field, from an earlier version, counts as this host's when its host name is this one's)."""
+    fields = owner.split(" ")
+    if len(fields) == 3 and fields[0] == socket.gethostname():
+        fields.append(machine_id())
+    if len(fields) != 4 or not fields[1].isdigit():
         return False
-    if host != socket.gethostname():
-        return False  # another host's process cannot be checked from here: left alone
-    now = _process_start(int(pid))
-    return now is None or (now != "?" and started != "?" and now != started)
+    host, pid, start, machine = fields
+    return Holder(host, machine, int(pid), start).gone()
 
 
 def close_stale_runs(pipeline: str) -> list[str]:
@@ -132,9 +136,11 @@ def _experiment_id(client: MlflowClient, pipeline: str) -> str:
     name = experiment_name(pipeline)
     found = client.get_experiment_by_name(name)
     if found is not None:
+        if EXPERIMENT_KIND_TAG not in found.tags:  # made by an older smelter
+            client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return found.experiment_id
     try:
-        return client.create_experiment(name, tags={"pipeline": pipeline})
+        return client.create_experiment(name, tags={"pipeline": pipeline, EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
@@ -192,8 +198,8 @@ def _ended_by(error: BaseException) -> str:
 
 def _arch(spec: PipelineSpec, outcome: CandidateOutcome) -> str:
     target = spec.target(outcome.candidate.target)
-    if target.arch:
-        return target.arch
+    if target.gpu_arch:
+        return target.gpu_arch
     build = outcome.stages.get("build")
     hardware = build.outputs.get("hardware", {}) if build else {}
     host = build.manifest.get("host", {}) if build else {}
@@ -246,14 +252,15 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
     client = _client()
     metrics = stage_metrics(outcome.stages)
     tags = resolve_tags(candidate_tags(spec, outcome) | (extra_tags or {})
-                        | {MLFLOW_PARENT_RUN_ID: parent_run_id, OWNER_TAG: owner_tag()})
+                        | {MLFLOW_PARENT_RUN_ID: parent_run_id, OWNER_TAG: owner_tag(),
+                           DESCRIPTION_TAG: candidate_description(outcome)})
     created = client.create_run(_experiment_id(client, spec.name), start_time=_work_started_ms(outcome),
                                 tags=tags, run_name=outcome.candidate.name)
     run = mlflow.start_run(run_id=created.info.run_id, nested=True)
     status = "FAILED"
     try:
         mlflow.log_params(candidate_params(spec, outcome))
-        mlflow.log_metrics(metrics | headline_metrics(spec, metrics) | stage_seconds(outcome.stages))
+        mlflow.log_metrics(rounded(metrics | headline_metrics(spec, metrics) | stage_seconds(outcome.stages)))
         _log_engine(spec, outcome)
         _log_stage_files(outcome.stages)
         _log_tables(outcome.stages)
@@ -275,7 +282,7 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
 def _log_engine(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
     """Upload the engine unless MLflow already holds this exact one: nightly re-runs add no copies.
 
-    Held already: by a registry version of the same build key, or by an earlier run of this
+    Held already: by a registry version of these very bytes, or by an earlier run of this
     pipeline that uploaded these very files (a rejected engine re-judged every night); the run then
     names that copy in its `engine_source` tag. The files must match their build manifest's sha256
     first (a file that rotted in the cache is never uploaded: EngineRejected fails the candidate);
@@ -286,12 +293,12 @@ def _log_engine(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
     if build is None:
         return
     name = registered_model_name(spec.name, outcome.candidate.target)
-    holder = find_versions(name, {"cache_key": build.key}) if build.cached else []
+    recorded = recorded_engine_digest(build)
+    holder = versions_of_engine(name, recorded, build.key) if build.cached else []
     if holder:
-        mlflow.set_tag(ENGINE_SOURCE_TAG, f"models:/{name}/{holder[0].version}")
+        mlflow.set_tags({ENGINE_SOURCE_TAG: f"models:/{name}/{holder[0].version}", ENGINE_DIGEST_TAG: recorded or ""})
         return
-    engine_check.verify_files(build)
-    digest = engine_check.engine_digest(build)
+    digest = engine_check.engine_digest(build, engine_check.verify_files(build))
     earlier = _earlier_upload(spec.name, build.key, digest) if build.cached else None
     if earlier:
         mlflow.set_tags({ENGINE_SOURCE_TAG: f"runs:/{earlier}/engine", ENGINE_DIGEST_TAG: digest})
@@ -387,27 +394,82 @@ def _log_tables(stages: dict[str, StageResult]) -> None:
     if benchmark and benchmark.file("samples.csv").is_file():
         mlflow.log_table(pd.read_csv(benchmark.file("samples.csv")), "tables/benchmark_samples.json")
     if benchmark and benchmark.outputs.get("comparisons"):
-        mlflow.log_table(pd.DataFrame(benchmark.outputs["comparisons"]), "tables/comparisons.json")
+        table = pd.DataFrame(benchmark.outputs["comparisons"])
+        first = [c for c in COMPARISON_COLUMNS if c in table.columns]
+        mlflow.log_table(table[first + [c for c in table.columns if c not in first]], "tables/comparisons.json")
 
 
-def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str, float]) -> str:
-    """A one-page summary someone deciding on a deploy reads before anything else."""
+def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str, float],
+                figure: str | None = None) -> str:
+    """A one-page summary someone deciding on a deploy reads before anything else; `figure`: the image
+    (a path or a data: URI) of the run's summary figure, shown under the verdict."""
     tags = candidate_tags(spec, outcome)
     lines = [f"# {outcome.candidate.name}", "",
              f"Status: **{outcome.status}**, gates {tags['gate']}", "", f"Why: {outcome.reason}", ""]
+    if figure:
+        lines += [f"![every candidate of this run: speedup vs PyTorch, gate, champion]({figure})", ""]
     if outcome.model_version:
         lines += [f"Registry: `{outcome.model_name}` version {outcome.model_version}", ""]
     if outcome.error:
         lines += [f"Error in stage `{outcome.failed_stage}`: {outcome.error}", ""]
     lines += ["## Gates", "", "| gate | passed | reasons |", "|---|---|---|"]
     lines += [f"| {g.gate} | {'yes' if g.passed else 'no'} | {'; '.join(g.reasons)} |" for g in outcome.gates]
-    lines += ["", "## Key metrics", "", "| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.6g} |" for k, v in sorted(key_metrics(metrics).items())]
+    lines += ["", *metrics_section(key_metrics(metrics), measurement(outcome))]
     lines += ["", "## Identity", "", "| key | value |", "|---|---|"]
     lines += [f"| {k} | {tags[k]} |" for k in ("model", "precision", "target", "arch", "backend",
                                                "backend_version", "cache_key") if k in tags]
     lines += [f"| stage {name} | {stage.key} |" for name, stage in outcome.stages.items()]
     return "\n".join(lines) + "\n"
+
+
+def measurement(outcome: CandidateOutcome) -> dict[str, str]:
+    """When and how the candidate's figures were measured (MEASURED_* tags): what a registry version's metric
+    tags and engine card are dated with; empty when it was not benchmarked."""
+    benchmark = outcome.stages.get("benchmark")
+    if benchmark is None:
+        return {}
+    host = benchmark.outputs.get("host") or {}
+    created, share = benchmark.manifest.get("created_unix"), host.get("foreign_cpu_share")
+    return {MEASURED_AT: datetime.fromtimestamp(created, UTC).isoformat(timespec="seconds") if created else "",
+            MEASURED_CONTENDED: str(bool(host.get("contended"))).lower(),
+            MEASURED_CPU_SHARE: "" if share is None else f"{share:.3g}",
+            MEASURED_BENCHMARK: benchmark.key, MEASURED_RUN: outcome.run_id or ""}
+
+
+def measured_sentence(measured: dict[str, str]) -> str:
+    """One line a reader of the registry dates the figures by."""
+    share = measured.get(MEASURED_CPU_SHARE)
+    busy = f" (other processes used {float(share):.0%} of the CPU)" if share else ""
+    machine = "a busy machine: contended" if measured.get(MEASURED_CONTENDED) == "true" else "a quiet machine"
+    run = f", read by run {measured[MEASURED_RUN]}" if measured.get(MEASURED_RUN) else ""
+    return (f"Measured {measured.get(MEASURED_AT) or 'at an unknown time'} on {machine}{busy}; "
+            f"benchmark {measured.get(MEASURED_BENCHMARK, '?')}{run}.")
+
+
+def metrics_section(metrics: dict[str, float], measured: dict[str, str]) -> list[str]:
+    """The engine card's key metrics, dated: the part a re-measurement rewrites on a registered version's card."""
+    lines = ["## Key metrics", ""] + ([measured_sentence(measured), ""] if measured else [])
+    return lines + ["| metric | value |", "|---|---|"] + [f"| {k} | {v:.6g} |" for k, v in sorted(metrics.items())]
+
+
+def replace_card_metrics(run_id: str, section: list[str]) -> str | None:
+    """Put `section` in place of the key metrics of the run's engine card; returns the card as it was, or None
+    (and changes nothing) when the run has no card with that section."""
+    try:
+        before = mlflow.artifacts.load_text(f"runs:/{run_id}/{ENGINE_CARD}")
+    except (MlflowException, OSError):
+        return None
+    start = before.find("\n## Key metrics\n")
+    if start < 0:
+        return None
+    end = before.find("\n## ", start + 1)
+    _client().log_text(run_id, before[:start + 1] + "\n".join(section) + "\n" + (before[end:] if end >= 0 else ""),
+                       ENGINE_CARD)
+    return before
+
+
+def restore_card(run_id: str, text: str) -> None:
+    _client().log_text(run_id, text, ENGINE_CARD)
 
 
 def _log_datasets(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
@@ -426,15 +488,81 @@ def _log_datasets(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
         mlflow.log_input(dataset, context=context)
 
 
-def finish_candidate(run_id: str, spec: PipelineSpec, outcome: CandidateOutcome) -> None:
-    """Record what was decided on the candidate's run: final status, the reason, the engine card."""
-    tags = {"status": outcome.status, "decision_reason": outcome.reason[:MAX_TAG_CHARS]}
+def finish_candidate(run_id: str, spec: PipelineSpec, outcome: CandidateOutcome, figure: bytes | None = None) -> None:
+    """Record what was decided on the candidate's run: final status, the reason, the engine card (as
+    markdown, and as HTML with the run's summary figure `figure` inside, which the UI shows as a page)."""
+    tags = {"status": outcome.status, "decision_reason": outcome.reason[:MAX_TAG_CHARS],
+            DESCRIPTION_TAG: candidate_description(outcome)}
     if outcome.model_name:
         tags |= {"registered_model": outcome.model_name, "model_version": str(outcome.model_version)}
     client = _client()
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
-    client.log_text(run_id, engine_card(spec, outcome, stage_metrics(outcome.stages)), "engine_card.md")
+    metrics = stage_metrics(outcome.stages)
+    client.log_text(run_id, engine_card(spec, outcome, metrics, SUMMARY_FIGURE if figure else None),
+                    "engine_card.md")
+    if figure:
+        _log_bytes(client, run_id, figure, SUMMARY_FIGURE)
+        embedded = f"data:image/png;base64,{base64.b64encode(figure).decode()}"
+        client.log_text(run_id, _html(outcome.candidate.name, engine_card(spec, outcome, metrics, embedded)),
+                        "engine_card.html")
+
+
+def _log_bytes(client: MlflowClient, run_id: str, data: bytes, name: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="smelter-artifact-") as tmp:
+        (Path(tmp) / name).write_bytes(data)
+        client.log_artifact(run_id, str(Path(tmp) / name))
+
+
+def _html(title: str, markdown: str) -> str:
+    """A markdown card as a page the MLflow UI shows as such (it shows .md files as text)."""
+    from markdown_it import MarkdownIt
+
+    body = MarkdownIt("commonmark").enable("table").render(markdown)
+    style = ("body{font-family:sans-serif;max-width:60em;margin:1em}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:2px 8px}img{max-width:100%}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body>{body}</body></html>")
+
+
+def log_summary_figure(parent_run_id: str, figure: bytes) -> None:
+    """The run's summary figure (tasks/summary_figure.py) on the parent run, where the decision is read."""
+    _log_bytes(_client(), parent_run_id, figure, SUMMARY_FIGURE)
+
+
+def rounded(metrics: dict[str, float]) -> dict[str, float]:
+    """Metrics as MLflow shows them: 4 significant digits, more than any timing or accuracy here
+    resolves (17 digits in the UI only hide the number); whole numbers (bytes, counts) stay whole."""
+    return {k: v if not math.isfinite(v) or v == int(v) else float(f"{v:.4g}") for k, v in metrics.items()}
+
+
+def show_outbox(registered_model: str, version: str) -> None:
+    """The version's outbox (`smelter.events`, a JSON list the notifier owns) as people read it: a short
+    `smelter.events.status` tag ("delivered 2, pending 1") on the version, the JSON as an artifact of
+    its run (`outbox/<model>-v<version>.json`)."""
+    client = _client()
+    found = client.get_model_version(registered_model, version)
+    if OUTBOX_TAG not in found.tags:
+        return
+    events = json.loads(found.tags[OUTBOX_TAG])
+    counts: dict[str, int] = {}
+    for event in events:
+        for delivery in event.get("deliveries", []):
+            counts[delivery["status"]] = counts.get(delivery["status"], 0) + 1
+    status = ", ".join(f"{status} {n}" for status, n in sorted(counts.items())) or "no webhooks"
+    client.set_model_version_tag(registered_model, version, OUTBOX_STATUS_TAG,
+                                 f"{len(events)} event(s): {status}")
+    if found.run_id:
+        client.log_text(found.run_id, json.dumps(events, indent=2, sort_keys=True),
+                        f"outbox/{registered_model}-v{version}.json")
+
+
+def candidate_description(outcome: CandidateOutcome) -> str:
+    """The child run's description in the MLflow UI: its status and why, the first thing a reader wants."""
+    text = f"**{outcome.status}**" + (f": {outcome.reason}" if outcome.reason else "")
+    if outcome.model_version:
+        text += f"\n\nRegistered as `{outcome.model_name}` version {outcome.model_version}."
+    return text[:MAX_TAG_CHARS]
 
 
 def champion(spec: PipelineSpec, target_name: str) -> Champion | None:
@@ -452,7 +580,8 @@ def champion(spec: PipelineSpec, target_name: str) -> Champion | None:
 def as_champion(name: str, found: Any) -> Champion:
     """A registered version (MLflow's, or a RegisteredVersion) as the engine record benchmarks fetch and time."""
     return Champion(registered_model=name, version=str(found.version), run_id=found.run_id,
-                    build_key=found.tags.get("cache_key") or None, precision=found.tags.get("precision"))
+                    build_key=found.tags.get("cache_key") or None, precision=found.tags.get("precision"),
+                    engine_digest=found.tags.get(ENGINE_DIGEST_TAG) or None)
 
 
 def previous_version(spec: PipelineSpec, target_name: str, precision: str, build_key: str | None) -> dict[str, Any] | None:
@@ -589,6 +718,37 @@ def find_versions(name: str, tags: dict[str, str]) -> list[RegisteredVersion]:
             return sorted(found, key=lambda v: int(v.version))
 
 
+def recorded_engine_digest(build: StageResult) -> str | None:
+    """The engine digest its build manifest records (the file hashes the upload and registration check against the
+    bytes): a registry version's identity; None when the manifest lists no files."""
+    files = build.manifest.get("files") or {}
+    if not files:
+        return None
+    return engine_check.engine_digest(build, {name: str(meta.get("sha256")) for name, meta in files.items()})
+
+
+def versions_of_engine(name: str, digest: str | None, build_key: str | None) -> list[RegisteredVersion]:
+    """The versions holding the engine with this digest, oldest first: those tagged with it, and those registered
+    before versions carried their digest (known by build key) whose run uploaded these bytes or recorded none."""
+    found = find_versions(name, {ENGINE_DIGEST_TAG: digest}) if digest else []
+    if build_key:
+        for older in find_versions(name, {"cache_key": build_key}):
+            if ENGINE_DIGEST_TAG in older.tags:
+                continue
+            uploaded = uploaded_engine_digest(older.run_id) if digest else None
+            if uploaded in (None, "", digest):
+                found.append(older)
+    return sorted(found, key=lambda v: int(v.version))
+
+
+def version_description(name: str, version: str) -> str:
+    return _client().get_model_version(name, version).description or ""
+
+
+def set_version_description(name: str, version: str, description: str) -> None:
+    _client().update_model_version(name, version, description=description)
+
+
 def log_directory(run_id: str, local_dir: Path, artifact_path: str) -> None:
     """Attach a directory written after the run was logged (e.g. a Triton package) to that run."""
     _client().log_artifacts(run_id, str(local_dir), artifact_path)
@@ -666,6 +826,15 @@ def store_problem() -> str | None:
 
 def run_metrics(run_id: str) -> dict[str, float]:
     return dict(_client().get_run(run_id).data.metrics)
+
+
+def run_url(run_id: str) -> str:
+    """Where a run opens in the MLflow UI: on the tracking server, or on `mlflow ui`'s default address
+    when the client writes a store directly."""
+    experiment_id = _client().get_run(run_id).info.experiment_id
+    server = urlsplit(tracking_server() or "http://127.0.0.1:5000")
+    base = f"{server.scheme}://{server.netloc.rpartition('@')[2]}{server.path}".rstrip("/")  # no user:password
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def tracking_server() -> str | None:

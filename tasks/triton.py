@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.backends import trt_plan
+from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.spec import PipelineSpec
 
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int8": "TYPE_INT8",
@@ -127,13 +128,21 @@ def write_triton_repository(repo_dir: Path, model_name: str, engines: list[Promo
     return model_dir
 
 
+def serves(build_outputs: dict[str, Any]) -> bool:
+    """Whether a build's engine is a plan Triton's TensorRT platform serves (its backend says so)."""
+    try:
+        return get_backend(build_outputs["backend"]).triton_plan
+    except (KeyError, ValueError, BackendUnavailable):  # no backend recorded, or one not installed here
+        return False
+
+
 def package_promoted(spec: PipelineSpec, outcomes: list[Any], repo_dir: Path) -> dict[str, Path]:
-    """One Triton entry per promoted TensorRT candidate, keyed by its MLflow run id.
+    """One Triton entry per promoted candidate whose engine is a plan, keyed by its MLflow run id.
 
     Engines promoted in the same run for the pipeline's other arch targets (same precision) join
     the entry through cc_model_filenames, so one Triton model serves the whole fleet.
     """
-    promoted = [o for o in outcomes if o.status == "promoted" and o.stages["build"].outputs.get("backend") == "tensorrt"]
+    promoted = [o for o in outcomes if o.status == "promoted" and serves(o.stages["build"].outputs)]
     packages = {}
     for outcome in promoted:
         siblings = [o for o in promoted if o is not outcome and o.candidate.precision == outcome.candidate.precision]

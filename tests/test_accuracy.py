@@ -71,7 +71,7 @@ def test_fp32_encoder_matches_reference_and_is_cached(bert_spec: PipelineSpec, t
     assert list(table["sample"]) == list(range(bert_spec.accuracy.samples))
     assert table["cosine"].min() == pytest.approx(metrics["cosine_min"])
     assert result.outputs["validity"] == {"finite": True, "points": {"min": True, "opt": True, "max": True},
-                                          "problems": []}
+                                          "problems": [], "nonfinite_samples": {}}
     again = run_accuracy(bert_spec, engine, store)
     assert again.cached and again.outputs == result.outputs
 

@@ -138,3 +138,135 @@ def test_the_best_sibling_is_the_one_compared_with_the_champion() -> None:
     result = run(fp16, int8)
     assert result["int8"][0] and not result["fp16"][0]
     assert result["fp16"][2].endswith("; enc/int8/cpu is faster")
+
+
+# --- issue 22: errors, mismatched engines, NaN samples, budgets and busy machines ---------------------------------
+
+def busy(outcome: CandidateOutcome, share: float = 0.68) -> CandidateOutcome:
+    """The candidate's target measurement was taken while other processes used `share` of the CPU; its gates as
+    tasks/gates.py judges them then (timing inconclusive, accuracy as measured)."""
+    from tasks.gates import performance_gate
+
+    benchmark = outcome.stages["benchmark"]
+    outputs = benchmark.outputs | {"host": {"foreign_cpu_share": share, "contended": True}}
+    outcome.stages["benchmark"] = StageResult("enc", "benchmark", "bench", Path("."), {"outputs": outputs})
+    outcome.gates = [*outcome.gates, performance_gate(SPEC, {"host.contended": 1.0, "host.foreign_cpu_share": share})]
+    outcome.status = "passed" if outcome.passed_gates else "rejected"  # as the flow's gate task sets it
+    return outcome
+
+
+def test_a_champion_candidate_that_errored_moves_nothing() -> None:
+    """An error (a crashed accuracy run, a full disk) is no verdict on the champion: nobody takes its alias."""
+    fp32 = candidate("fp32", champion=measured("enc/fp32/cpu"))
+    fp32.status, fp32.error = "failed", "accuracy failed: OSError: [Errno 28] No space left on device"
+    result = run(fp32, candidate("int8", speedup=9.0, champion=measured("enc/fp32/cpu")))
+    assert result["int8"][:2] == (False, False)
+    assert "champion v3 errored today" in result["int8"][2] and result["int8"][2].endswith("nothing moves")
+    assert result["fp32"][1] and "still holds the alias" in result["fp32"][2]
+
+
+@pytest.mark.parametrize("backend", ["tensorrt", "inductor"])
+def test_a_champion_candidate_whose_engine_mismatches_this_machine_gives_way(backend: str) -> None:
+    fp32 = candidate("fp32", champion=measured("enc/fp32/cpu"))
+    fp32.status = "failed"
+    fp32.error = f"accuracy failed: EngineMismatch: {backend} engine built for another GPU or runtime"
+    result = run(fp32, candidate("int8", champion=measured("enc/fp32/cpu")))
+    assert result["int8"][:2] == (True, True)
+    assert result["int8"][2].startswith("champion v3 cannot run here (accuracy failed: EngineMismatch")
+    assert result["int8"][2].endswith("fastest passing candidate")
+
+
+def _mismatch(backend: str) -> Exception:
+    if backend == "tensorrt":
+        from tasks.backends.trt_plan import EngineMismatch
+    else:
+        from tasks.backends.inductor import EngineMismatch
+    return EngineMismatch(f"{backend} engine was built for another machine")
+
+
+@pytest.mark.parametrize("backend", ["tensorrt", "inductor"])
+def test_a_champion_engine_that_cannot_load_for_an_engine_mismatch_is_unavailable_for_good(backend: str) -> None:
+    """What the benchmark records when the champion's engine does not load (tasks/benchmark.py): any backend's
+    EngineMismatch is permanent, so the alias may leave it; a registry that does not answer is not."""
+    from tasks.champion import ChampionUnavailable, cannot_run_here
+
+    error = _mismatch(backend)
+    gone = measured(None, unavailable=f"{type(error).__name__}: {error}", permanent=cannot_run_here(error))
+    result = run(candidate("int8", champion=gone, key="key-int8-new"))
+    assert result["int8"][:2] == (True, True)
+    assert result["int8"][2] == (f"champion v3 cannot run here (EngineMismatch: {backend} engine was built for another "
+                                 "machine): fastest passing candidate")
+    assert not cannot_run_here(ChampionUnavailable("registry did not answer", permanent=False))
+    assert not cannot_run_here(OSError("connection reset"))
+
+
+def test_a_nan_in_one_sample_fails_the_accuracy_gate_and_names_the_sample() -> None:
+    """A mean over samples that skips a NaN would pass; the gate sees it and says which sample."""
+    import pandas as pd
+
+    from tasks.accuracy import _aggregate, nonfinite_samples
+    from tasks.gates import evaluate
+
+    table = pd.DataFrame({"sample": [0, 1, 2, 3], "cosine": [0.999, 0.998, float("nan"), 0.999],
+                          "max_abs_error": [1e-3, 2e-3, float("nan"), 1e-3]})
+    assert table["cosine"].mean() > 0.99  # what pandas would have reported
+    spec = SPEC.model_copy(update={"accuracy": SPEC.accuracy.model_copy(update={"gates": {"cosine_mean": _min(0.99)}})})
+    metrics = {"accuracy.cosine_mean": _aggregate(table["cosine"], "mean")}
+    validity = {"finite": True, "points": {"min": True, "opt": True, "max": True}, "problems": [],
+                "nonfinite_samples": nonfinite_samples(table)}
+    accuracy = next(g for g in evaluate(spec, metrics, validity, None) if g.gate == "accuracy")
+    assert not accuracy.passed
+    assert "cosine_mean is NaN" in accuracy.reasons
+    assert "cosine is NaN or Inf in sample 2" in accuracy.reasons
+
+
+def _min(value: float) -> Any:
+    from tasks.spec import Threshold
+
+    return Threshold(min=value)
+
+
+def test_a_budget_below_min_rounds_is_refused_by_validate() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="cannot fit 6 rounds"):
+        PipelineSpec.model_validate(SPEC.model_dump() | {"benchmark": {"min_rounds": 3, "max_seconds": 0.001}})
+    with pytest.raises(ValidationError, match="cannot fit 40 rounds"):
+        PipelineSpec.model_validate(SPEC.model_dump() | {"benchmark": {"min_rounds": 40, "max_seconds": 1}})
+    PipelineSpec.model_validate(SPEC.model_dump() | {"benchmark": {"min_rounds": 3, "max_seconds": 1}})
+
+
+def test_a_contended_measurement_leaves_candidates_pending_and_the_champion_in_place() -> None:
+    label = "enc/fp32/cpu"
+    fp32 = busy(candidate("fp32", champion=measured(label)))
+    int8 = busy(candidate("int8", vs_champion=(1.40, 1.30, 1.50), champion=measured(label)))
+    result = run(fp32, int8)
+    assert (fp32.status, int8.status) == ("pending", "pending")
+    assert not result["int8"][0] and result["int8"][2].startswith("pending: machine busy (other processes used 68%")
+    assert result["fp32"][1], "the champion keeps the alias"
+    assert not int8.passed_gates, "a pending candidate is not registered"
+    gate = next(g for g in int8.gates if g.gate == "performance")
+    assert gate.inconclusive and "machine busy" in gate.reasons[0]
+
+
+def test_on_a_busy_machine_accuracy_still_rejects() -> None:
+    bad = busy(candidate("fp16", passed=False))
+    run(bad, busy(candidate("int8")), champion=None)
+    assert bad.status == "rejected" and "cosine_mean 0.9 < min 0.99" in bad.decision.reason
+
+
+def test_the_first_champion_is_never_crowned_on_contended_numbers() -> None:
+    fp32, int8 = busy(candidate("fp32", speedup=1.5)), busy(candidate("int8", speedup=200.0))
+    result = run(fp32, int8, champion=None)
+    assert not any(take or holds for take, holds, _ in result.values())
+    assert {fp32.status, int8.status} == {"pending"}
+
+
+def test_contended_numbers_that_passed_the_gates_still_move_nothing() -> None:
+    """No performance gate configured (every gate passes): the busy speedups still crown nobody."""
+    fp32, int8 = candidate("fp32", speedup=1.5), candidate("int8", speedup=200.0)
+    for outcome in (fp32, int8):
+        outputs = outcome.stages["benchmark"].outputs | {"host": {"foreign_cpu_share": 0.8, "contended": True}}
+        outcome.stages["benchmark"] = StageResult("enc", "benchmark", "bench", Path("."), {"outputs": outputs})
+    result = run(fp32, int8, champion=None)
+    assert not any(take for take, _, _ in result.values()) and int8.status == "pending"

@@ -1,21 +1,27 @@
 """Deployments: one set of names whether served or sent to work pools, pools per kind of target,
-a prefect.yaml that matches, workers that find the project or say what to set, and the compose stack."""
+a prefect.yaml that matches and `prefect deploy --all` takes without a warning, workers that find the
+project or say what to set, and the compose stack."""
 
 from __future__ import annotations
 
 import base64
 import importlib
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
 from flows import deploy
 from flows.worker_steps import ProjectNotFound, enter_project
 from tasks.spec import load
+from tests.fixtures.fleet import cli, project_env
+from tests.fixtures.models import write_pipelines
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,3 +146,75 @@ def test_compose_config_is_valid_for_docker_compose():
                           capture_output=True, text=True, timeout=60,
                           env=os.environ | {"MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": fernet_key})
     assert done.returncode == 0, done.stderr
+
+
+def test_prefect_deploy_all_registers_the_generated_file_without_warnings(prefect_api_server, tmp_path,
+                                                                          tiny_bert_dir):
+    project = tmp_path / "project"
+    project.mkdir()
+    write_pipelines(project, tiny_bert_dir, "feature-extraction", name="enc",
+                    schedule={"cron": "0 3 * * *", "timezone": "UTC"})
+    env = project_env(PREFECT_API_URL=prefect_api_server, PREFECT_HOME=str(tmp_path / "home"))
+    for args in (["deploy", "--pools"], ["deploy", "--prefect-yaml", "prefect.yaml"]):
+        done = subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, cwd=project, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert "schedules: []" not in (project / "prefect.yaml").read_text()
+
+    deployed = subprocess.run([cli("prefect"), "--no-prompt", "deploy", "--all"], env=env, cwd=project,
+                              capture_output=True, text=True, timeout=300)
+
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    assert "Warning" not in deployed.stdout + deployed.stderr, deployed.stdout + deployed.stderr
+    found = httpx.post(f"{prefect_api_server}/deployments/filter", json={}, timeout=10).json()
+    schedules = {d["name"]: [s["schedule"].get("cron") for s in d["schedules"]] for d in found}
+    assert schedules == {"nightly": [], "enc": ["0 3 * * *"]}
+
+
+def _dockerignore() -> list[str]:
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def test_the_image_context_leaves_out_local_state_and_installs_from_the_pins():
+    ignored = _dockerignore()
+    for path in (".git", ".venv", "artifacts/*", "mlruns", "mlflow.db", "models", ".pytest_cache", "**/__pycache__"):
+        assert path in ignored, f".dockerignore: expected {path} among its patterns"
+    assert "!artifacts/.gitkeep" in ignored
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert "pip install -c constraints.txt" in dockerfile
+    assert "make_tiny_llama.py models/tiny-llama" in dockerfile, "pipelines.yaml's tiny Llama is made in the image"
+    mlflow_image = (REPO / "docker" / "mlflow.Dockerfile").read_text()
+    assert "-c /tmp/constraints.txt mlflow==3.17.2" in mlflow_image
+
+
+def test_every_compose_service_that_runs_smelter_or_mlflow_is_built_not_installed_at_start():
+    services = _compose()["services"]
+    for name, service in services.items():
+        command = " ".join(service["command"]) if isinstance(service.get("command"), list) else service.get("command", "")
+        assert "pip install" not in command, f"{name} installs at every start"
+        if command.split()[:1] in (["smelter"], ["prefect"]) and name != "prefect" or name == "mlflow":
+            build = service.get("build") or {}
+            assert (REPO / "docker" / build.get("context", ".") / build.get("dockerfile", "Dockerfile")).is_file(), \
+                f"compose service {name}: expected a build: whose dockerfile exists"
+
+
+def _readme_commands(path: Path, program: str) -> list[list[str]]:
+    """Each `program ...` command of a README's code blocks, continuation lines joined."""
+    text = path.read_text().replace("\\\n", " ")
+    return [shlex.split(line.split(program + " ", 1)[1].split("#")[0]) for line in text.splitlines()
+            if f" {program} " in f" {line.strip()} " and line.startswith("    ")]
+
+
+def test_docker_readme_smelter_commands_parse_and_select_candidates(monkeypatch):
+    from flows.cli import _parser
+    from tasks.spec import select
+
+    monkeypatch.chdir(REPO)
+    commands = _readme_commands(REPO / "docker" / "README.md", "smelter")
+    assert commands, "docker/README.md shows a `smelter run` command"
+    for args in commands:
+        parsed = _parser().parse_args(args)
+        specs = load(parsed.file, check_env=False, allow_outside_paths=parsed.allow_outside_paths)
+        if parsed.command == "run":
+            assert select(specs, parsed.pipeline, parsed.precision, parsed.target)

@@ -94,6 +94,30 @@ def test_the_exported_decode_step_computes_the_hf_model(llama: LlamaForCausalLM)
         session.step(ids[:, :1], 16)
 
 
+def test_the_decode_step_through_smelters_products_computes_the_hf_model(llama: LlamaForCausalLM) -> None:
+    """products='smelter' (smelter::decode_linear, torch operations off the GPU) is the same function;
+    with e4m3 weights (per-channel scales, the LM head too) it stays close, and the products it is
+    told to keep stay in the model's dtype."""
+    ids = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        expected = llama(ids).logits
+    for options, tolerance in (({}, 1e-4), ({"fp8_weights": True, "fp8_head": True}, None)):
+        step = export_decode(llama, torch.float32, products="smelter", **options).module()
+        session = DecodeSession(step, llama.config, batch=2, max_len=8, dtype=torch.float32, device="cpu")
+        got = torch.stack([session.step(ids[:, i:i + 1], i) for i in range(8)], dim=1)
+        if tolerance:
+            torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+        else:
+            relative = float((got - expected).norm() / expected.norm())
+            assert 1e-4 < relative < 0.1, relative
+    graph = StaticDecoder(llama, products="smelter", fp8_weights=True, kept=["layers.1.down"])
+    assert graph.layers[0].down.weight.dtype == torch.float8_e4m3fn and graph.layers[0].down.scale.shape == (64,)
+    assert graph.layers[1].down.weight.dtype == torch.float32 and graph.layers[1].down.scale is None
+    assert graph.head.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="products='smelter'"):
+        StaticDecoder(llama, fp8_weights=True)
+
+
 def test_the_decode_step_writes_only_its_position(llama: LlamaForCausalLM) -> None:
     k, v = empty_cache(llama.config, 2, 8, torch.float32, "cpu")
     before = [t.clone() for t in k]

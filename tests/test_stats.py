@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from tasks.measure import Contender, measure_rounds
-from tasks.stats import _interval_rank, paired_ratio, wilson_interval
+from tasks.measure import Contender, measure_rounds, slot_orders
+from tasks.stats import MIN_ROUNDS, _interval_rank, _signed_rank_counts, paired_ratio, serial_inflation, wilson_interval
 
 # Critical values of the Wilcoxon signed-rank test, two-sided 5% (published tables): the interval is
 # bounded by the (T + 1)-th smallest and largest Walsh averages.
@@ -19,6 +19,30 @@ WILCOXON_T = {6: 0, 8: 3, 10: 8, 15: 25, 20: 52, 25: 89, 30: 137}
 @pytest.mark.parametrize(("n", "t"), WILCOXON_T.items())
 def test_interval_ranks_match_the_published_signed_rank_table(n: int, t: int) -> None:
     assert _interval_rank(n) == t + 1
+
+
+def test_six_rounds_are_the_fewest_with_a_95_percent_interval() -> None:
+    """Below 6 rounds even the widest signed-rank interval (all Walsh averages) covers less than 95%."""
+    assert MIN_ROUNDS == 6
+    assert all(2 * _signed_rank_counts(n)[0] / 2 ** n > 0.05 for n in range(1, MIN_ROUNDS))
+    assert 2 * _signed_rank_counts(MIN_ROUNDS)[0] / 2 ** MIN_ROUNDS <= 0.05
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_fewer_than_six_rounds_are_never_conclusive_however_tight(n: int) -> None:
+    ratio = paired_ratio([3.95] * n, [1.0] * n)
+    assert ratio.half_width == pytest.approx(0.0) and not ratio.conclusive(0.05)
+    assert paired_ratio([3.95] * 6, [1.0] * 6).conclusive(0.05)
+
+
+def test_rounds_that_persist_widen_the_interval_and_independent_ones_do_not() -> None:
+    rng = np.random.default_rng(17)
+    independent = rng.normal(0.0, 0.02, 40)
+    persistent = np.empty(40)
+    persistent[0] = 0.0
+    for i in range(1, 40):
+        persistent[i] = 0.8 * persistent[i - 1] + rng.normal(0.0, 0.02)
+    assert serial_inflation(independent) < 1.3 < serial_inflation(persistent)
 
 
 def _paired(rng: np.random.Generator, n: int, true_ratio: float, noise: float, load: float) -> tuple:
@@ -77,39 +101,53 @@ def _synthetic(ms: float, noise: float, seed: int) -> Contender:
 
 def test_rounds_stop_once_the_ratio_is_known_to_the_precision() -> None:
     a, b = _synthetic(30.0, 0.01, 1), _synthetic(20.0, 0.01, 2)
-    rounds = measure_rounds([a, b], [(a.name, b.name)], warmup=1, min_rounds=5, max_seconds=30, precision=0.05)
-    assert rounds.count == 5 and rounds.conclusive(0.05)
+    rounds = measure_rounds([a, b], [(a.name, b.name)], warmup=1, min_rounds=8, max_seconds=30, precision=0.05)
+    assert rounds.count == 8 and rounds.conclusive(0.05) and rounds.extended is None
     assert rounds.ratio(a.name, b.name).ratio == pytest.approx(1.5, rel=0.02)
     assert all(len(slot) == rounds.calls_per_slot[name] for name in rounds.names for slot in rounds.samples_ms[name])
 
 
+def test_a_small_min_rounds_still_waits_for_six_rounds() -> None:
+    a, b = _synthetic(30.0, 0.01, 1), _synthetic(20.0, 0.01, 2)
+    rounds = measure_rounds([a, b], [(a.name, b.name)], warmup=1, min_rounds=3, max_seconds=30, precision=0.05)
+    assert rounds.count == MIN_ROUNDS and rounds.conclusive(0.05)
+
+
 def test_rounds_run_out_of_time_when_the_ratio_stays_uncertain() -> None:
     a, b = _synthetic(30.0, 0.8, 3), _synthetic(28.0, 0.8, 4)
-    rounds = measure_rounds([a, b], [(a.name, b.name)], warmup=0, min_rounds=3, max_seconds=0.3, precision=0.01)
+    rounds = measure_rounds([a, b], [(a.name, b.name)], warmup=0, min_rounds=6, max_seconds=0.3, precision=0.01)
     assert rounds.seconds >= 0.3 and not rounds.conclusive(0.01)
-    assert rounds.count > 3
+    assert rounds.count > 6
 
 
-def test_the_time_budget_holds_even_before_the_minimum_rounds() -> None:
-    """A machine so busy that each round is slow ends the point at max_seconds, not at min_rounds. (Stopped by the
-    clock, not by the outcome, the interval of those few rounds keeps its coverage.)"""
-    slow = Contender("slow", lambda n: time.sleep(0.05) or [50.0] * n)
+def test_a_budget_spent_before_min_rounds_is_extended_and_says_so() -> None:
+    """One slow round per 0.05 s and a 0.001 s budget: the rounds go on to min_rounds, never stop at one round
+    with a "95% interval" of a single value."""
+    slow = Contender("slow", lambda n: time.sleep(0.01) or [50.0] * n)
     fast = _synthetic(20.0, 0.01, 5)
-    rounds = measure_rounds([slow, fast], [(slow.name, fast.name)], warmup=0, min_rounds=1000, max_seconds=0.3,
+    rounds = measure_rounds([slow, fast], [(slow.name, fast.name)], warmup=0, min_rounds=8, max_seconds=0.001,
                             precision=0.5)
-    assert rounds.seconds >= 0.3 and rounds.count < 1000
+    assert rounds.count == 8 and rounds.seconds > 0.001
+    assert rounds.extended and "ran out after 1 round(s)" in rounds.extended and "on to 8 rounds" in rounds.extended
 
 
-def test_rounds_rotate_the_order_and_refuse_unknown_pairs() -> None:
+def test_every_pair_runs_in_both_orders_every_two_rounds() -> None:
+    """Slot order: no engine always follows the same other one, and every pair is balanced (ABBA)."""
     order: list[str] = []
 
     def named(name: str) -> Contender:
         return Contender(name, lambda n: order.append(name) or [1.0] * n)
 
-    measure_rounds([named("a"), named("b"), named("c")], [("a", "b")], warmup=0, min_rounds=3, max_seconds=10,
+    measure_rounds([named("a"), named("b"), named("c")], [("a", "b")], warmup=0, min_rounds=6, max_seconds=10,
                    precision=0.5)
-    timed = order[3:]  # after the three calibration calls
-    assert timed[:9] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    rounds = [order[i:i + 3] for i in range(3, len(order), 3)][1:]  # after calibration and the untimed round
+    assert len(rounds) == 6
+    for first, second in zip(rounds[::2], rounds[1::2]):
+        assert second == first[::-1]
+    followers = {(r[i], r[i + 1]) for r in rounds for i in range(2)}
+    assert ("a", "b") in followers and ("b", "a") in followers
+    draws = slot_orders(["a", "b", "c"])
+    assert len({tuple(next(draws)) for _ in range(40)}) == 6  # every order comes up
     with pytest.raises(ValueError, match="not measured"):
         measure_rounds([named("a")], [("a", "z")], warmup=0, min_rounds=3, max_seconds=1, precision=0.1)
 

@@ -94,3 +94,34 @@ def test_unchanged_rerun_says_nothing_was_rebuilt_and_the_parent_run_summarises_
     assert description.startswith("1 passed, 1 rejected, 1 failed.")
     assert f"| {spec.name}/fp32/cpu | passed | 3 | enc/int8/cpu is faster |" in description
     assert "p99_ms: 80 > max 50" in description and "invalid graph" in description
+
+
+def test_experiment_opens_on_runs_and_a_child_run_says_its_status_and_why(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"kind-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path / "artifacts")
+    rejected = with_export(store, candidate_outcome(store, spec, "int8", "cpu", throughput=100.0, passed=False))
+    client = MlflowClient()
+    client.create_experiment(tracking.experiment_name(spec.name))  # as an older smelter made it: no kind
+    with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
+        child_id = tracking.log_candidate(parent_id, spec, rejected)
+        tracking.finish_candidate(child_id, spec, rejected)
+
+    experiment = client.get_experiment_by_name(tracking.experiment_name(spec.name))
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development", "not the GenAI traces page"
+    description = client.get_run(child_id).data.tags["mlflow.note.content"]
+    assert description.startswith("**rejected**: ") and "p99_ms: 80 > max 50" in description
+
+
+def test_comparison_table_leads_with_what_the_decision_reads(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"cmp-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path / "artifacts")
+    outcome = with_export(store, candidate_outcome(store, spec, "int8", "cpu", throughput=300.0))
+    row = {"step": "prefill", "batch": 4, "seq": 16, "past": 0, "engine": "engine", "versus": "champion",
+           "ratio": 1.31, "ci_low": 1.2, "ci_high": 1.4, "half_width": 0.08, "rounds": 12, "conclusive": True}
+    outcome.stages["benchmark"].outputs["comparisons"] = [dict(sorted(row.items()))]  # as a manifest reads back
+    with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
+        child_id = tracking.log_candidate(parent_id, spec, outcome)
+
+    table = mlflow.artifacts.load_dict(f"runs:/{child_id}/tables/comparisons.json")
+    assert table["columns"][:6] == ["engine", "versus", "ratio", "ci_low", "ci_high", "conclusive"]
+    assert sorted(table["columns"]) == sorted(row)

@@ -1,30 +1,110 @@
-"""The one small interface every engine backend implements: build an engine, load a runner.
+"""The interface every engine backend implements: its target settings, its builder and its runner.
 
-Follows Polygraphy's split between loaders (build) and runners (infer); the stages only ever see
-this interface, so a TensorRT target and a CPU target go through the same build, accuracy and
-benchmark code.
+A backend is a plugin (tasks/backends/table.py finds it through the `smelter.backends` entry
+points). It declares itself with a `TargetSpec` subclass: the settings a target of it takes, and,
+as class variables, its device kind, what it builds from, its precisions and where its `Backend`
+lives. The core calls only what is declared here, so a new backend needs no edit outside its own
+package. Follows Polygraphy's split between loaders (build) and runners (infer).
 """
 
 from __future__ import annotations
 
 import abc
-import importlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
+from pydantic import Field
 
-from tasks.backends.table import BACKENDS
-from tasks.spec import ProfileSpec, TargetSpec
+from tasks.backends.table import BACKENDS, load_implementation
+from tasks.config.bounds import NAME, Strict
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from tasks.spec import ProfileSpec
 
 
 class BackendUnavailable(RuntimeError):
     """The backend's runtime is not installed or this machine cannot run the target."""
 
 
+class EngineMismatch(RuntimeError):
+    """An engine was built for another GPU, runtime or format; loading it would fail or be wrong.
+
+    Permanent for that engine on this machine, so a champion that raises it may lose its alias.
+    """
+
+
+class TargetSpec(Strict):
+    """Where an engine runs: one subclass per backend, the pydantic union on `backend` of the schema.
+
+    A subclass declares its backend: the `backend` field (a Literal of its name) and the class
+    variables below. A setting of another backend is then an error, and a build key hashes only
+    the target's own settings.
+    """
+
+    devices: ClassVar[tuple[Literal["cpu", "gpu"], ...]]
+    """The kinds of device its engines run on; the first is the default `device_kind`."""
+    source: ClassVar[Literal["onnx", "torch"]]
+    """What it builds from: the precision stage's ONNX graph, or the PyTorch model itself."""
+    precisions: ClassVar[tuple[str, ...]]
+    """The precisions it can build, a subset of tasks.config.bounds.PRECISIONS."""
+    implementation: ClassVar[str]
+    """`module:Class` of its `Backend`, imported on first use (settings load without the runtime)."""
+    precision_settings: ClassVar[dict[str, tuple[str, ...]]] = {}
+    """Settings only one precision's builds read: left out of other precisions' keys, and idle when
+    that precision is not built."""
+
+    name: str = Field(max_length=64, pattern=NAME)
+    backend: str
+    pool: str | None = Field(None, max_length=64, pattern=NAME, exclude=True,
+                             description="Prefect work pool that builds it (default cpu, or gpu-<arch>); "
+                                         "where an engine is built is not part of its key")
+
+    @property
+    def device_kind(self) -> str:
+        """`cpu` or `gpu`: where this target's engines run."""
+        return self.devices[0]
+
+    @property
+    def gpu_arch(self) -> str | None:
+        """The GPU arch its engines are tied to (registry tags and descriptions name it); None off the GPU."""
+        return None
+
+    @property
+    def intra_op_threads(self) -> int | None:
+        """The threads its engines run with when the benchmark sets none; None = all cores."""
+        return None
+
+    def with_threads(self, threads: int) -> TargetSpec:
+        """This target running its engines on `threads` (the benchmark's count); targets without threads ignore it."""
+        return self
+
+    def key_settings(self, precision: str | None) -> dict[str, Any]:
+        """The settings an engine of `precision` depends on (what its build key hashes)."""
+        other = {key for p, keys in self.precision_settings.items() if p != precision for key in keys}
+        return self.model_dump(mode="json", exclude=other or None)
+
+    def calibrates(self, precision: str) -> bool:
+        """Whether this target's build of `precision` reads the calibration text itself (the int8 ONNX
+        graphs are calibrated by the precision stage instead)."""
+        return False
+
+    def precision_problem(self, precision: str) -> str | None:
+        """Why this target cannot build `precision`, or None."""
+        if precision not in self.precisions:
+            return f"backend {self.backend} does not build {precision} (it builds {', '.join(self.precisions)})"
+        return None
+
+
 class Runner(abc.ABC):
-    """A loaded engine. Feeds and outputs are keyed by the ONNX tensor names."""
+    """A loaded engine. Feeds and outputs are keyed by the ONNX tensor names.
+
+    `input_names` and `output_names` are its input metadata: the accuracy and benchmark stages
+    make feeds for exactly these inputs.
+    """
 
     input_names: list[str]
     output_names: list[str]
@@ -45,7 +125,7 @@ class Runner(abc.ABC):
         return samples
 
     def close(self) -> None:
-        """Release sessions, contexts and device memory."""
+        """Unload: release sessions, contexts and device memory."""
 
     def __enter__(self) -> Runner:
         return self
@@ -55,10 +135,19 @@ class Runner(abc.ABC):
 
 
 class Backend(abc.ABC):
-    """Builds engines for one kind of target and loads them back as runners."""
+    """Builds engines for one kind of target and loads them back as runners.
+
+    An `onnx`-source backend implements `build` (and `source_model` when it reads another graph
+    than model.onnx); a `torch`-source one implements `build_from_model`.
+    """
 
     name: str
     engine_file: str
+    compares_three_way: ClassVar[bool] = False
+    """Whether accuracy records FP32 ONNX vs precision ONNX vs engine for its engines, to say whether an
+    error comes from the graph or from the builder."""
+    triton_plan: ClassVar[bool] = False
+    """Whether its engine file is a plan Triton's TensorRT platform serves (what Triton packaging takes)."""
 
     @abc.abstractmethod
     def missing(self, target: TargetSpec) -> str | None:
@@ -72,35 +161,42 @@ class Backend(abc.ABC):
     def hardware(self, target: TargetSpec) -> dict[str, Any]:
         """Facts about this machine that an engine is tied to (CPU ISA, compute capability); part of the key."""
 
-    @abc.abstractmethod
     def source_model(self, precision_dir: Path) -> Path:
         """Which of the precision stage's ONNX files this backend builds from."""
+        return precision_dir / "model.onnx"
 
-    @abc.abstractmethod
     def build(self, onnx_path: Path, target: TargetSpec, profiles: list[ProfileSpec], out_dir: Path,
               cache_dir: Path) -> dict[str, Any]:
         """Write the engine (and its sidecar files) into out_dir; return facts for the manifest.
 
         The facts include `engine_bytes`: the engine's own size, without sidecars or caches.
         """
+        raise TypeError(f"backend {self.name} builds from {type(target).source}, not ONNX")
+
+    def build_from_model(self, model_dir: Path, task: str, precision: str, target: TargetSpec,
+                         profiles: list[ProfileSpec], out_dir: Path,
+                         calibration: Sequence[Mapping[str, np.ndarray]] | None = None) -> dict[str, Any]:
+        """Like `build`, from the model's own files, for `precision`; `calibration` are whole-prompt
+        feeds where `target.calibrates(precision)`."""
+        raise TypeError(f"backend {self.name} builds from {type(target).source}, not from the model")
 
     @abc.abstractmethod
     def load(self, engine_dir: Path, target: TargetSpec) -> Runner:
-        """Open a built engine for inference, refusing one built for another machine."""
+        """Open a built engine for inference, refusing one built for another machine (EngineMismatch)."""
 
 
 def get_backend(name: str) -> Backend:
-    """The backend for a target's `backend:` key, from the backend table.
+    """The backend for a target's `backend:` key.
 
-    Imported on first use, so a runtime that is absent (or a backend module not installed) only
-    fails the targets that name it, with BackendUnavailable saying why.
+    Imported on first use, so a runtime that is absent only fails the targets that name it, with
+    BackendUnavailable saying why.
     """
     info = BACKENDS.get(name)
     if info is None:
         raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
     try:
-        backend_class = getattr(importlib.import_module(info.module), info.class_name)
+        backend_class = load_implementation(info)
     except (ImportError, AttributeError) as e:
-        raise BackendUnavailable(f"backend {name} is not available here: cannot import {info.module}."
-                                 f"{info.class_name} ({e})") from e
+        raise BackendUnavailable(f"backend {name} is not available here: cannot import {info.implementation} "
+                                 f"({e})") from e
     return backend_class()

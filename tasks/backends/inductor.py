@@ -33,10 +33,11 @@ import numpy as np
 import torch
 
 from tasks.backends import graph_weights
-from tasks.backends.base import Backend, BackendUnavailable, Runner
+from tasks.backends.base import Backend, BackendUnavailable, EngineMismatch, Runner
+from tasks.backends.inductor_target import InductorTarget
 from tasks.backends.program_load import load_program
 from tasks.gpu import GpuInfo, detect_gpu
-from tasks.spec import InductorTarget, ProfileSpec, TargetSpec
+from tasks.spec import ProfileSpec, TargetSpec
 
 PREFILL = "prefill.pt2"
 DECODE = "decode.pt2"
@@ -46,10 +47,8 @@ SIDECAR = "engine.json"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "fp8": torch.bfloat16}  # fp8: the products' operands; everything else, and the outputs, in bf16
 CAUSAL_TASKS = ("text-generation", "text-generation-with-past")
-
-
-class EngineMismatch(RuntimeError):
-    """The engine was compiled for another GPU arch or torch build."""
+DECODE_KERNELS = True  # bf16/fp16 decode steps on a GPU read their weights through smelter::decode_linear
+FP8_DECODE_HEAD = True  # an fp8 engine's decode step reads the LM head in e4m3 too
 
 
 def versions() -> dict[str, str]:
@@ -181,12 +180,15 @@ def export_prefill(model: torch.nn.Module, causal: bool, batch: int, seq: int, f
     return _export(graph, (ids, torch.ones_like(ids)), (auto, auto), weights_as_input)
 
 
-def export_decode(model: torch.nn.Module, dtype: torch.dtype, weights_as_input: bool = False) -> Exported:
-    """Export the static-cache decode step, dynamic in batch and cache length."""
+def export_decode(model: torch.nn.Module, dtype: torch.dtype, weights_as_input: bool = False,
+                  products: str = "torch", fp8_weights: bool = False, kept: Collection[str] = (),
+                  fp8_head: bool = False) -> Exported:
+    """Export the static-cache decode step, dynamic in batch and cache length (llama_graphs.StaticDecoder
+    says what `products`, `fp8_weights`, `kept` and `fp8_head` choose)."""
     from tasks.backends.llama_graphs import StaticDecoder, empty_cache
 
     device = next(model.parameters()).device
-    step = StaticDecoder(model).eval()
+    step = StaticDecoder(model, products=products, fp8_weights=fp8_weights, kept=kept, fp8_head=fp8_head).eval()
     k, v = empty_cache(model.config, 2, 32, dtype, device)
     tokens = torch.zeros(2, 1, dtype=torch.long, device=device)
     auto = torch.export.Dim.AUTO
@@ -358,6 +360,19 @@ def _decoder_config(config: Any) -> dict[str, int]:
             "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
 
 
+def decode_products_for(precision: str, target: InductorTarget, excluded: list[str]) -> dict[str, Any]:
+    """How the decode step runs its products (llama_graphs.StaticDecoder). fp8: e4m3 weights with
+    per-channel scales for every layer product but those fp8_exclude names (the products the
+    sensitivity measurement keeps are chosen for the prefill's e4m3 activations; the decode step's
+    activations stay bf16 at small batch) and, with FP8_DECODE_HEAD, the LM head: half the bytes.
+    Other precisions on a GPU: the model's weights through smelter::decode_linear where
+    DECODE_KERNELS says so, else F.linear."""
+    if precision == "fp8":
+        return {"products": "smelter", "fp8_weights": True, "kept": list(excluded), "fp8_head": FP8_DECODE_HEAD}
+    products = "smelter" if DECODE_KERNELS and target.device == "cuda" else "torch"
+    return {"products": products, "fp8_weights": False, "kept": [], "fp8_head": False}
+
+
 def _kept_products(target: InductorTarget, config: Any) -> list[str]:
     """The products target.fp8_exclude keeps in bf16 (smelter validate has checked them against the config)."""
     from tasks.backends.llama_support import fp8_kept
@@ -496,6 +511,7 @@ class InductorBackend(Backend):
         batch, seq = max(prefill_shapes)
         compiled = target.format == "compiled"
         kept = _kept_products(target, model.config) if precision == "fp8" else []
+        decode_options = decode_products_for(precision, target, kept)
         scaling = sensitivity = None
         calibration_started = time.perf_counter()
         if target.calibrates(precision):
@@ -510,7 +526,7 @@ class InductorBackend(Backend):
         prefill = export_prefill(model, causal, max(batch, 2), max(seq, 2), fp8=precision == "fp8",
                                  weights_as_input=compiled, kept=kept, input_scales=scaling and scaling["scales"])
         has_decode = causal and compiled and unsupported(model.config) is None
-        decode = export_decode(model, dtype, weights_as_input=True) if has_decode else None
+        decode = export_decode(model, dtype, weights_as_input=True, **decode_options) if has_decode else None
         export_seconds = time.perf_counter() - started - calibration_seconds
         gpu = detect_gpu() if device == "cuda" else None
         sidecar: dict[str, Any] = {
@@ -521,6 +537,7 @@ class InductorBackend(Backend):
             "fp8_calibration": scaling and {k: v for k, v in scaling.items() if k != "scales"},
             "fp8_sensitivity": sensitivity,
             "decoder_config": _decoder_config(model.config) if has_decode else None,
+            "decode_products": decode_options if has_decode else None,
             "warm_shapes": {"prefill": prefill_shapes, "decode": decode_shapes if has_decode else []}}
         compile_started = time.perf_counter()
         if not compiled:

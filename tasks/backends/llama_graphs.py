@@ -24,7 +24,10 @@ fp8 (`fp8=True`, prefill only: its products are bound by arithmetic): products r
   it. A value past the calibrated range is clipped to it. e4m3 is a floating format, so one scale
   for all tokens costs precision only for values 2^15 below the largest.
 Norms, attention, the embedding and the LM head stay bf16, and so do the products named in `kept`
-(llama_support.product_names). The decode step reads weights, so it stays in the model's dtype.
+(llama_support.product_names). The decode step reads weights, so its products are bound by their
+bytes: they run through `smelter::decode_linear` (decode_products.py), with e4m3 weights and one
+scale per output channel where asked (`StaticDecoder(fp8_weights=True)`: weight-only at small batch,
+the activations staying bf16), which halves the bytes a step reads.
 
 Rotary cos/sin come from one op per graph (`smelter::rope`), which Inductor cannot see into: it
 would otherwise inline the cheap-looking table into every layer's q and k kernels, evaluating cos
@@ -40,6 +43,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tasks.backends import decode_products  # noqa: F401  (registers smelter::decode_linear, which decode graphs call)
 from tasks.backends.llama_support import PRODUCTS, fp8_unsupported, product_names, unsupported
 
 FP8 = torch.float8_e4m3fn
@@ -247,11 +251,62 @@ def fp8_sensitivity(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torc
     return errors
 
 
-class StaticDecoder(_Body):
-    """logits[B, V] of the token after `tokens` (shape [B, 1]) at position `pos`, writing its K and V into the cache."""
+class _DecodeLinear(nn.Module):
+    """One weight matrix of the decode step, read through `smelter::decode_linear`
+    (decode_products.py): bf16 as is, or e4m3 with one scale per output channel (half the bytes)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool):
+        super().__init__()
+        weight = weight.detach()
+        if fp8:
+            quantised, scale = decode_products.quantize_weight(weight)
+            self.weight = nn.Parameter(quantised, requires_grad=False)
+            self.register_buffer("scale", scale)
+        else:
+            self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+            self.scale = None
+        self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor, unit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.ops.smelter.decode_linear(rows, self.weight, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+DECODE_PRODUCTS = ("torch", "smelter")
+
+
+class StaticDecoder(_Body):
+    """logits[B, V] of the token after `tokens` (shape [B, 1]) at position `pos`, writing its K and V into the cache.
+
+    `products`: "torch" runs the products as F.linear on the model's weights; "smelter" through
+    `smelter::decode_linear` (decode_products.py: a weight-streaming Triton kernel at small batch),
+    which `fp8_weights` requires: every layer product except those named in `kept` (and, with
+    `fp8_head`, the LM head) then holds e4m3 weights with per-channel scales, half the bytes a step reads."""
+
+    def __init__(self, model: nn.Module, products: str = "torch", fp8_weights: bool = False,
+                 kept: Collection[str] = (), fp8_head: bool = False):
         super().__init__(model, fp8=False)
+        if products not in DECODE_PRODUCTS:
+            raise ValueError(f"decode products are {' or '.join(DECODE_PRODUCTS)}, not {products!r}")
+        if (fp8_weights or fp8_head) and products != "smelter":
+            raise ValueError("fp8 decode weights are read through products='smelter'")
+        self.products = products
+        if products == "smelter":
+            for i, layer in enumerate(self.layers):
+                for product in PRODUCTS:
+                    exact = getattr(layer, product)
+                    fp8 = fp8_weights and f"layers.{i}.{product}" not in kept
+                    setattr(layer, product, _DecodeLinear(exact.weight, exact.bias, fp8))
+            self.head = _DecodeLinear(self.lm_head, None, fp8_head)
+            del self.lm_head  # the head's weights live in self.head (a tied embedding stays in self.embed)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.products == "torch":
+            return super().logits(x)
+        return self.head(_rms_norm(x, self.norm, self.eps))
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor]) -> torch.Tensor:

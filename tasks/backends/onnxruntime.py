@@ -18,8 +18,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from tasks.backends.base import Backend, BackendUnavailable, Runner
-from tasks.spec import ProfileSpec, TargetSpec
+from tasks.backends.base import Backend, BackendUnavailable, Runner, TargetSpec
+from tasks.config.schema import ProfileSpec
 
 SIDECAR = "engine.json"
 EXTERNAL_DATA = "model.onnx.data"

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tasks.backends import trt_plan
-from tasks.backends.base import Backend, BackendUnavailable, Runner
-from tasks.spec import ProfileSpec, TargetSpec
+from tasks.backends.base import Backend, BackendUnavailable, EngineMismatch, Runner, TargetSpec
+from tasks.config.schema import ProfileSpec
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -195,6 +195,8 @@ def merge_timing_cache(config: trt.IBuilderConfig, path: Path) -> bytes:
 class TensorRTBackend(Backend):
     name = "tensorrt"
     engine_file = ENGINE_FILE
+    compares_three_way = True
+    triton_plan = True
 
     def missing(self, target: TargetSpec) -> str | None:
         try:
@@ -215,9 +217,6 @@ class TensorRTBackend(Backend):
         if gpu is None:
             return {}
         return {"compute_capability": gpu.cc, "arch": gpu.arch, "gpu_name": gpu.name}
-
-    def source_model(self, precision_dir: Path) -> Path:
-        return precision_dir / "model.onnx"
 
     def build(self, onnx_path: Path, target: TargetSpec, profiles: list[ProfileSpec], out_dir: Path,
               cache_dir: Path) -> dict[str, Any]:
@@ -327,7 +326,7 @@ class TensorRTRunner(Runner):
             self._runtime.engine_host_code_allowed = True
         self._engine = self._runtime.deserialize_cuda_engine((engine_dir / ENGINE_FILE).read_bytes())
         if self._engine is None:
-            raise trt_plan.EngineMismatch(f"TensorRT could not deserialize {engine_dir / ENGINE_FILE}: "
+            raise EngineMismatch(f"TensorRT could not deserialize {engine_dir / ENGINE_FILE}: "
                                           f"{self._errors}")
         self._context = self._engine.create_execution_context()
         self._stream = cuda.Stream()

@@ -18,7 +18,8 @@ import numpy as np
 
 from tasks import gpu
 from tasks.gpu import GpuInfo
-from tasks.spec import ProfileSpec, TargetSpec
+from tasks.backends.base import EngineMismatch, TargetSpec
+from tasks.config.schema import ProfileSpec
 
 SIDECAR = "engine.json"
 SIDECAR_FORMAT = 1
@@ -31,10 +32,6 @@ TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 PAST_INPUT = re.compile(r"^past_key_values\.\d+\.(key|value)$")
 
 ShapeRange = dict[str, tuple[int, ...]]  # {"min": shape, "opt": shape, "max": shape}
-
-
-class EngineMismatch(RuntimeError):
-    """An engine was built for another GPU or TensorRT; loading it would fail or be wrong."""
 
 
 def parse_arch(arch: str) -> tuple[int, int]:

@@ -1,0 +1,135 @@
+"""Do the stage's in-run intervals agree with an independent timer on real engines?
+
+Three engine pairs of a small BERT made here (random weights, 4 layers x 256 wide), as ONNX Runtime
+sessions: fp32 vs dynamic int8, fp32 vs fp32 with graph optimisations off, int8 vs fp32 at batch 1.
+Each repeat times a pair twice:
+- the stage's way: tasks/measure.py rounds (slot order, untimed round, early stop at ±precision)
+  and the tasks/stats.py ratio with its 95% interval;
+- independently: each engine alone in a plain timeit loop (blocks of calls, engine after engine,
+  not interleaved), the ratio of the median block times with a percentile-bootstrap 95% interval.
+It prints, per repeat, both ratios and whether each point estimate lies inside the other's interval.
+
+    .venv/bin/python benchmarks/interval_vs_timer.py              # about 2-3 minutes
+    .venv/bin/python benchmarks/interval_vs_timer.py --repeats 10 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tasks.measure import Contender, measure_rounds
+from tasks.stats import paired_ratio
+
+BLOCK_MS = 25.0  # the independent timer's block, like a slot
+
+
+def make_models(directory: Path) -> dict[str, Path]:
+    """fp32 and dynamic-int8 ONNX graphs of a small random BERT encoder."""
+    import torch
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=4000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=1024, max_position_embeddings=256)
+    model = BertModel(config).eval()
+    ids = torch.randint(0, 4000, (1, 64))
+    fp32, int8 = directory / "fp32.onnx", directory / "int8.onnx"
+    torch.onnx.export(model, (ids, torch.ones_like(ids)), fp32, input_names=["input_ids", "attention_mask"],
+                      output_names=["last_hidden_state"], dynamic_axes={"input_ids": {0: "b", 1: "s"},
+                                                                        "attention_mask": {0: "b", 1: "s"}},
+                      opset_version=17, dynamo=False)
+    quantize_dynamic(str(fp32), str(int8), weight_type=QuantType.QInt8)
+    return {"fp32": fp32, "int8": int8}
+
+
+def session_call(path: Path, threads: int, optimise: bool, batch: int, seq: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimise
+                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    feeds = {"input_ids": rng.integers(0, 4000, (batch, seq)).astype(np.int64),
+             "attention_mask": np.ones((batch, seq), dtype=np.int64)}
+    return lambda: session.run(None, feeds)
+
+
+def call_timer(call):
+    """Times n calls; the stage's engine timers (Runner.time_ms) do exactly this."""
+    def timer(n: int) -> list[float]:
+        samples = []
+        for _ in range(n):
+            start = time.perf_counter()
+            call()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return samples
+    return timer
+
+
+def independent(calls: dict[str, object], seconds: float, rng: np.random.Generator) -> tuple[float, float, float]:
+    """Each engine alone, in blocks; ratio (first / second) of median per-call block times, bootstrap interval."""
+    per_engine = {}
+    for name, call in calls.items():
+        for _ in range(3):
+            call()
+        start = time.perf_counter()
+        call()
+        one = (time.perf_counter() - start) * 1e3
+        number = max(1, int(BLOCK_MS / max(one, 1e-3)))
+        blocks, until = [], time.perf_counter() + seconds / 2
+        while time.perf_counter() < until or len(blocks) < 8:
+            start = time.perf_counter()
+            for _ in range(number):
+                call()
+            blocks.append((time.perf_counter() - start) * 1e3 / number)
+        per_engine[name] = np.array(blocks)
+    a, b = per_engine.values()
+    ratio = float(np.median(a) / np.median(b))
+    boots = [np.median(rng.choice(a, a.size)) / np.median(rng.choice(b, b.size)) for _ in range(2000)]
+    return ratio, float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=3.0, help="max_seconds of the stage's rounds and the "
+                        "independent timer's time per pair")
+    parser.add_argument("--precision", type=float, default=0.03)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        models = make_models(Path(tmp))
+        pairs = {
+            "fp32 vs int8 b8 s64": ((models["fp32"], True, 8, 64), (models["int8"], True, 8, 64)),
+            "fp32 unoptimised vs optimised b4 s64": ((models["fp32"], False, 4, 64), (models["fp32"], True, 4, 64)),
+            "int8 vs fp32 b1 s32": ((models["int8"], True, 1, 32), (models["fp32"], True, 1, 32)),
+        }
+        rng = np.random.default_rng(0)
+        agree = {name: 0 for name in pairs}
+        print(f"threads {args.threads}, budget {args.seconds:g}s per pair and method, precision ±{args.precision:.0%}")
+        for name, (first, second) in pairs.items():
+            calls = {"a": session_call(first[0], args.threads, *first[1:]),
+                     "b": session_call(second[0], args.threads, *second[1:])}
+            for repeat in range(args.repeats):
+                rounds = measure_rounds([Contender(k, call_timer(c)) for k, c in calls.items()], [("a", "b")],
+                                        warmup=5, min_rounds=10, max_seconds=args.seconds, precision=args.precision)
+                staged = rounds.ratio("a", "b")
+                ratio, low, high = independent(calls, args.seconds, rng)
+                inside = staged.low <= ratio <= staged.high and low <= staged.ratio <= high
+                agree[name] += inside
+                print(f"{name:<38} #{repeat + 1}: stage {staged.text()} ({staged.rounds} rounds)  "
+                      f"independent {ratio:.3g}x [{low:.3g}, {high:.3g}]  {'both inside' if inside else 'MISS'}")
+        for name, hits in agree.items():
+            print(f"{name:<38} each estimate inside the other's interval in {hits} of {args.repeats} repeats")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The one picture of a pipeline run: how many times faster than PyTorch each candidate is, with its
+95% interval, against the speed gate, the champion marked and every bar coloured by what happened.
+
+The parent MLflow run and every engine card carry it, so whoever opens either sees the decision
+before any table.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+from matplotlib.figure import Figure
+
+from tasks.outcome import CandidateOutcome
+from tasks.spec import PipelineSpec
+
+FILE = "summary.png"
+COLOURS = {"promoted": "#2e7d32", "passed": "#66bb6a", "pending": "#f9a825", "rejected": "#9e9e9e",
+           "failed": "#c62828"}
+RATIO = "speedup_vs_reference"
+
+
+def summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> Figure:
+    """Horizontal bars, one per candidate; a candidate with no measurement (it failed before) gets its
+    status written where its bar would be."""
+    figure = Figure(figsize=(8, 1.2 + 0.55 * max(len(outcomes), 1)), layout="constrained")
+    axes = figure.add_subplot()
+    names = [o.candidate.name for o in outcomes]
+    gate = spec.performance.gates.get(RATIO)
+    for row, outcome in enumerate(outcomes):
+        value = outcome.metrics.get(RATIO)
+        colour = COLOURS[outcome.status]
+        label = outcome.status + (f" @{spec.promotion.alias}" if _holds_alias(outcome) else "")
+        if value is None or not math.isfinite(value):
+            axes.text(0.02, row, f"{label}: not measured", va="center", transform=axes.get_yaxis_transform(),
+                      color=colour)
+            continue
+        axes.barh(row, value, color=colour, height=0.6)
+        low, high = outcome.metrics.get(f"{RATIO}_ci_low"), outcome.metrics.get(f"{RATIO}_ci_high")
+        if low is not None and high is not None:
+            axes.errorbar(value, row, xerr=[[max(value - low, 0)], [max(high - value, 0)]], color="black",
+                          capsize=4, linewidth=1)
+        axes.annotate(f"{value:.3g}x  {label}", (high if high is not None else value, row), xytext=(6, 0),
+                      textcoords="offset points", va="center", fontsize=9,
+                      fontweight="bold" if _holds_alias(outcome) else "normal")
+        if _holds_alias(outcome):
+            axes.plot([value], [row], marker="*", markersize=16, color="gold", markeredgecolor="black")
+    axes.axvline(1.0, color="black", linewidth=0.8, linestyle=":")
+    if gate is not None and gate.min is not None:
+        axes.axvline(gate.min, color="#c62828", linewidth=1.2, linestyle="--", label=f"gate: ≥ {gate.min:g}x")
+        axes.legend(loc="lower right", fontsize=8)
+    axes.set_yticks(range(len(names)), names)
+    axes.invert_yaxis()
+    axes.set_xlim(0, _right_edge(outcomes, gate.min if gate is not None and gate.min is not None else 1.0))
+    point = spec.gate_point
+    axes.set_xlabel(f"times faster than PyTorch (batch {point['batch']} × seq {point['seq']}, 95% interval)")
+    axes.set_title(f"{spec.name}: speedup vs the reference, by outcome")
+    return figure
+
+
+def summary_png(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> bytes:
+    buffer = io.BytesIO()
+    summary_figure(spec, outcomes).savefig(buffer, format="png", dpi=110)
+    return buffer.getvalue()
+
+
+def _holds_alias(outcome: CandidateOutcome) -> bool:
+    return outcome.decision is not None and outcome.decision.holds_alias
+
+
+def _right_edge(outcomes: list[CandidateOutcome], gate: float) -> float:
+    """Room right of the longest bar (or interval) for its label."""
+    ends = [outcome.metrics.get(f"{RATIO}_ci_high", outcome.metrics.get(RATIO, 0.0)) for outcome in outcomes]
+    finite = [end for end in ends if end is not None and math.isfinite(end)]
+    return max([gate, 1.0, *finite]) * 1.45

@@ -1,0 +1,32 @@
+"""The table `smelter run` prints last: the alias by its name, and a key metric that is the number the
+reason speaks of, at the point it was measured."""
+
+from __future__ import annotations
+
+from flows.cli import summary_table
+from tasks.spec import load
+
+
+def _summary(candidate: str, status: str, **extra) -> dict:
+    pipeline, precision, target = candidate.split("/")
+    return {"candidate": candidate, "pipeline": pipeline, "precision": precision, "target": target,
+            "status": status, "gates": [], "metrics": {"throughput": 519.8, "p99_ms": 8.25}, "error": None,
+            "model_version": None} | extra
+
+
+def test_the_alias_is_named_and_metric_and_reason_speak_of_one_ratio_at_one_point(pipeline_factory, tiny_bert_dir):
+    specs = load(pipeline_factory(tiny_bert_dir, "feature-extraction", name="enc", promotion={"alias": "prod"}))
+    slower = {"ratio": 0.23, "ci": [0.184, 0.269], "version": "2", "conclusive": True}
+    rows = summary_table([
+        _summary("enc/fp32/cpu", "passed", model_version="2",
+                 decision={"reason": "it is the champion: not compared with itself", "holds_alias": True}),
+        _summary("enc/int8/cpu", "passed", model_version="3", decision={
+            "reason": "slower: 0.23x [0.184, 0.269] vs champion v2 (a significant regression: the interval is below 1)",
+            "vs_champion": slower, "holds_alias": False}),
+    ], specs).splitlines()
+
+    header, champion, candidate = rows
+    assert "v2 @prod" in champion and "@alias" not in champion
+    assert "519.8/s @ b2×s16" in champion, "the objective at the gate point (largest batch, first seq)"
+    assert "0.23x vs v2, 519.8/s @ b2×s16" in candidate and " v3 " in candidate and "@prod" not in candidate
+    assert candidate.endswith("below 1) at batch 2 × seq 16"), "the reason names the same point"
