@@ -206,8 +206,10 @@ def warm_start(engine: Path, target: dict[str, Any], batch: int, seq: int, decod
     bytecode = tempfile.mkdtemp(prefix="pycache-warm-")
     runs = []
     for profiled in (False, False, True) if profile else (False, False):
+        # fresh Inductor and Triton caches: what the engine's compile cache does not hold (the Triton
+        # kernels smelter's own ops launch) is compiled again, as on a machine that never ran them
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-warm-"),
-               "PYTHONPYCACHEPREFIX": bytecode}
+               "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton-warm-"), "PYTHONPYCACHEPREFIX": bytecode}
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_pipeline", "--warm-start", str(engine),
                               "--target", json.dumps(target), "--shape", json.dumps([batch, seq, decode]),
@@ -487,31 +489,159 @@ def decoder_summary(section: dict[str, Any], batch: int, seq: int, decode_batche
 
 def decode_step_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
     """The decode-step graph alone (the engine's own export and session code, no prefill build, no
-    save): for checking a change to the step in a minute and a half instead of a full build."""
+    save), in each `--decode-variants` products:weights (torch:bf16 is F.linear on bf16 weights;
+    smelter:bf16, smelter:fp8 and smelter:fp8-head run smelter::decode_linear on bf16 weights, on e4m3
+    layer weights, on e4m3 layer and LM-head weights), each against the bytes bound of its own weights,
+    with its kernel profile and its top-1 vs fp32 (on the trained model, 16-byte windows of
+    data/eval.txt: at batch 64, and at batch 8, where the weight-streaming kernel runs); then each
+    product alone (`decode_products`)."""
+    import copy
+
     from tasks.backends.inductor import DecodeSession, _compile_options, export_decode
 
     past, max_len = 512, 528
-    cfg, model, _ = llama_on_gpu(QUICK_LLAMA if args.quick else LLAMA_32_1B, train_steps=0)
+    cfg, model, training = llama_on_gpu(QUICK_LLAMA if args.quick else LLAMA_32_1B, args.train_steps)
     shape = gm.DecoderShape.from_config(cfg)
     target = InductorTarget(name="sm90", backend="inductor", device="cuda", arch=detect_gpu().arch)
-    step = export_decode(model, torch.bfloat16).module()
-    section: dict[str, Any] = {"past": past, "cache_len": max_len}
-    for b in (1, 64):
+    section: dict[str, Any] = {"past": past, "cache_len": max_len, "training": training,
+                               "bf16_bounds_ms": {f"decode_b{b}": round(gm.bytes_bound_ms(
+                                   shape.decode_bytes(b, past, 2), ceilings["copy"]["tb_per_s"]), 4) for b in (1, 64)}}
+    if args.tune_gemv:  # each product alone first; the step variants then run the fastest block shapes
+        from tasks.backends import decode_products as dp
+
+        section["decode_products"] = decode_product_kernels(shape, ceilings, args.repeats)
+        dp.GEMV_CONFIGS.update(best_gemv_configs(section["decode_products"]))
+        section["gemv_configs"] = {f"{n}x{k}x{b}": list(c) for (n, k, b), c in dp.GEMV_CONFIGS.items()}
+        report.add("decode_step", section)
+        print(f"gemv configs: {json.dumps(section['gemv_configs'])}", flush=True)
+    windows = text_prompts(64, 16, 1, 11)[0]
+    reference = copy.deepcopy(model).float()
+    with torch.no_grad():
+        expected = reference(input_ids=windows, use_cache=False).logits.float()
+    del reference
+    torch.cuda.empty_cache()
+    for variant in args.decode_variants.split(","):
+        products, weights = variant.split(":")
         started = time.perf_counter()
-        session = DecodeSession(step, cfg, b, max_len, torch.bfloat16, "cuda")
-        session.compile(_compile_options(target, decode=True))
-        token = torch.randint(0, cfg.vocab_size, (b, 1), device="cuda")
-        for pos in range(3):
-            session.step(token, pos)
-        compile_s = time.perf_counter() - started
-        figures = timed(lambda: session.step(token, past), 5, args.repeats)
-        bound = gm.bytes_bound_ms(shape.decode_bytes(b, past, 2), ceilings["copy"]["tb_per_s"])
-        section[f"decode_b{b}"] = {**figures, "compile_s": round(compile_s, 1), "bytes_bound_ms": round(bound, 4),
-                                   "times_bytes_bound": round(figures["median_ms"] / bound, 2),
-                                   "tokens_per_s": round(b / figures["median_ms"] * 1e3)}
-        del session
+        try:
+            exported = export_decode(model, torch.bfloat16, products=products, fp8_weights=weights.startswith("fp8"),
+                                     fp8_head=weights == "fp8-head")
+            # every matrix a step reads once (the LM head included, tied or not), at its stored width
+            weight_bytes = (shape.layers * shape.layer_params * (1 if weights.startswith("fp8") else 2)
+                            + shape.vocab * shape.hidden * (1 if weights == "fp8-head" else 2))
+            step = exported.module()
+            figures: dict[str, Any] = {"weight_bytes": weight_bytes, "export_s": round(time.perf_counter() - started, 1)}
+            for b in (1, 8, 64):
+                started = time.perf_counter()
+                session = DecodeSession(step, cfg, b, max_len, torch.bfloat16, "cuda")
+                session.compile(_compile_options(target, decode=True))
+                token = torch.randint(0, cfg.vocab_size, (b, 1), device="cuda")
+                for pos in range(3):
+                    session.step(token, pos)
+                compile_s = time.perf_counter() - started
+                if b in (8, 64):  # top-1 vs fp32 over all 64 windows, in groups of b
+                    outs: list[torch.Tensor] = []
+                    refs: list[torch.Tensor] = []
+                    for g in range(0, 64, b):
+                        for i in range(windows.shape[1]):
+                            outs.append(session.step(windows[g:g + b, i:i + 1], i).float())
+                            refs.append(expected[g:g + b, i])
+                    figures[f"decode_b{b}_vs_fp32"] = gm.logit_agreement(refs, outs)
+                if b == 8:
+                    del session
+                    continue
+                timing = timed(lambda: session.step(token, past), 5, args.repeats)
+                kv = 2 * shape.layers * b * shape.kv_heads * shape.head_dim * past * 2
+                bound = gm.bytes_bound_ms(weight_bytes + kv, ceilings["copy"]["tb_per_s"])
+                figures[f"decode_b{b}"] = {
+                    **timing, "compile_s": round(compile_s, 1), "bytes_bound_ms": round(bound, 4),
+                    "times_own_bytes_bound": round(timing["median_ms"] / bound, 2),
+                    "times_bf16_bound": round(timing["median_ms"] / section["bf16_bounds_ms"][f"decode_b{b}"], 2),
+                    "tokens_per_s": round(b / timing["median_ms"] * 1e3),
+                    "kernels": gm.kernel_profile(lambda: session.step(token, past), top=16)}
+                del session
+            section[variant] = figures
+        except Exception as e:  # the other variants still run
+            import traceback
+            traceback.print_exc()
+            section[variant] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        report.add("decode_step", section)
+        print(f"decode step {variant}: " + json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "kernels"}
+                                                            if isinstance(v, dict) else v)
+                                                       for k, v in section[variant].items()}), flush=True)
+        torch.compiler.reset()
+        torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    if not args.tune_gemv:
+        section["decode_products"] = decode_product_kernels(shape, ceilings, args.repeats)
     report.add("decode_step", section)
-    print(f"decode step alone: {json.dumps(section)}")
+
+
+def best_gemv_configs(products: dict[str, Any]) -> dict[tuple[int, int, int], tuple[int, int, int]]:
+    """The fastest weight-streaming block shape per product and weight width, from decode_product_kernels."""
+    best: dict[tuple[int, int, int], tuple[float, tuple[int, int, int]]] = {}
+    for row in products.values():
+        if not isinstance(row, dict) or "n" not in row:
+            continue
+        for way, figures in row.items():
+            found = re.fullmatch(r"gemv_(fp8|bf16)_(\d+)x(\d+)w(\d+)_m1", way)
+            if found and isinstance(figures, dict):
+                key = (row["n"], row["k"], 1 if found[1] == "fp8" else 2)
+                if key not in best or figures["us"] < best[key][0]:
+                    best[key] = (figures["us"], (int(found[2]), int(found[3]), int(found[4])))
+    return {key: config for key, (_, config) in best.items()}
+
+
+def decode_product_kernels(shape: gm.DecoderShape, ceilings: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """Each decode product alone at 1 and 64 rows: cuBLAS on bf16 weights, smelter::decode_linear on
+    bf16 and e4m3 weights (the weight-streaming kernel in its default and other block shapes at 1 row),
+    as achieved bytes per second of weights read, rotating over copies of the weights larger than L2
+    together (as a step reads each weight once), and each one's relative error vs fp32."""
+    from tasks.backends import decode_products as dp
+
+    products = {"qkv": ((shape.heads + 2 * shape.kv_heads) * shape.head_dim, shape.hidden),
+                "o": (shape.hidden, shape.heads * shape.head_dim), "gate_up": (2 * shape.intermediate, shape.hidden),
+                "down": (shape.hidden, shape.intermediate), "head": (shape.vocab, shape.hidden)}
+    out: dict[str, Any] = {"copy_tb_per_s": ceilings["copy"]["tb_per_s"]}
+    for name, (n, k) in products.items():
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        quantised, scale = dp.quantize_weight(w)
+        copies = max(2, -(-(256 << 20) // (n * k)))
+        bf16s = [w.clone() for _ in range(copies)]
+        fp8s = [quantised.clone() for _ in range(copies)]
+        row: dict[str, Any] = {"n": n, "k": k}
+        for rows in (1, 64):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            exact = x.float() @ w.float().t()
+            exact_fp8 = x.float() @ (quantised.float() * scale[:, None]).t()
+            ways: dict[str, Any] = {
+                "cublas_bf16": (lambda i: torch.nn.functional.linear(x, bf16s[i]), 2, exact),
+                "smelter_bf16": (lambda i: torch.ops.smelter.decode_linear(x, bf16s[i], None), 2, exact),
+                "smelter_fp8": (lambda i: torch.ops.smelter.decode_linear(x, fp8s[i], scale), 1, exact_fp8)}
+            if rows == 1:
+                for bn, bk, warps in ((1, 2048, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4),
+                                      (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 4), (32, 512, 8)):
+                    ways[f"gemv_fp8_{bn}x{bk}w{warps}"] = (
+                        lambda i, c=(bn, bk, warps): dp.gemv(x, fp8s[i], scale, c), 1, exact_fp8)
+                    ways[f"gemv_bf16_{bn}x{bk}w{warps}"] = (
+                        lambda i, c=(bn, bk, warps): dp.gemv(x, bf16s[i], None, c), 2, exact)
+            for way, (fn, itemsize, truth) in ways.items():
+                try:
+                    error = float((fn(0).float() - truth).norm() / truth.norm())
+                    counter = iter(range(10**9))
+                    ms = gm.summary(gm.cuda_times_ms(lambda: fn(next(counter) % copies), 10, max(repeats, 50)))["median_ms"]
+                    row[f"{way}_m{rows}"] = {"us": round(ms * 1e3, 2),
+                                             "tb_per_s": round(n * k * itemsize / (ms * 1e9), 3),
+                                             "relative_error": float(f"{error:.3g}")}
+                except Exception as e:  # a block shape Triton refuses says so
+                    row[f"{way}_m{rows}"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out[name] = row
+        print(f"decode product {name}: " + json.dumps({k: v["us"] if isinstance(v, dict) else v
+                                                         for k, v in row.items()}), flush=True)
+        del bf16s, fp8s
+        torch.cuda.empty_cache()
+    return out
 
 
 def prefill_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
@@ -738,6 +868,14 @@ def print_table(data: dict[str, Any]) -> None:
         sensitivity = {k: v for k, v in (fp8.get("sensitivity") or {}).items() if k != "logit_mse"}
         print(f"  kept bf16 {fp8.get('kept_bf16')}; sensitivity {json.dumps(sensitivity)}; "
               f"warm start {json.dumps(unprofiled(fp8.get('warm_start')))}")
+    step = data.get("decode_step", {})
+    for variant, figures in step.items():
+        if isinstance(figures, dict) and "weight_bytes" in figures and "decode_b64" in figures:
+            print(f"decode step {variant:<18} " + "  ".join(
+                f"b{b} {figures[f'decode_b{b}']['median_ms']} ms ({figures[f'decode_b{b}']['times_own_bytes_bound']}x own "
+                f"bound, {figures[f'decode_b{b}']['times_bf16_bound']}x bf16 bound)" for b in (1, 64))
+                  + "  top-1 vs fp32 " + "  ".join(f"b{b} {figures[f'decode_b{b}_vs_fp32']['top1']} "
+                                                  f"{figures[f'decode_b{b}_vs_fp32']['top1_95']}" for b in (8, 64)))
     enc = data.get("encoder", {})
     if "engine_bf16" in enc:
         for who in ("engine_bf16", "eager_bf16", "eager_fp32"):
@@ -771,6 +909,12 @@ def main() -> None:
                              "sensitivity)")
     parser.add_argument("--train-steps", type=int, default=300, help="decoder training on data/calibration.txt")
     parser.add_argument("--sections", default="decoder,encoder")
+    parser.add_argument("--tune-gemv", action=argparse.BooleanOptionalAction, default=True,
+                        help="section decode_step: measure each product alone first and run the step variants with "
+                             "the fastest weight-streaming block shapes")
+    parser.add_argument("--decode-variants", default="torch:bf16,smelter:bf16,smelter:fp8,smelter:fp8-head",
+                        help="section decode_step: products:weights, comma-separated (products torch or smelter; "
+                             "weights bf16, fp8 (layers in e4m3) or fp8-head (the LM head too))")
     parser.add_argument("--variants", default="bf16:max-autotune-no-cudagraphs,bf16:max-autotune,fp8:default,"
                                               "fp8:reduce-overhead",
                         help="section prefill: precision:compile-mode[:glob|glob kept bf16[:inductor.option=int&...]], "

@@ -13,8 +13,10 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
@@ -226,17 +228,22 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
 
     pipelines = args.pipeline or sorted({c.pipeline for c in selected}, key=list(specs.pipelines).index)
     progress.set_level(progress.QUIET if args.quiet else progress.VERBOSE if args.verbose else progress.NORMAL)
+    # Libraries' prints (MLflow creating its tables, import-time warnings, Prefect's notices) go to stderr
+    # with --verbose, else to the run's log file; stdout stays the summary's. The servers are checked before
+    # the store gets its log dir (a refused run leaves nothing there), their noise kept until it has one.
+    checks_log = Path(tempfile.gettempdir()) / "service-checks.log"
+    with contextlib.redirect_stdout(sys.stderr) if args.verbose else progress.captured_output(checks_log):
+        _check_services(mlflow=True, prefect=True)
     log_path = Path(args.artifacts) / "_logs" / f"run-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.log"
     try:
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        if checks_log.exists():
+            shutil.move(checks_log, log_path)
     except OSError as e:
         raise SpecError([f"{args.file}: --artifacts {args.artifacts}: cannot keep the run's log in "
                          f"{log_path.parent}: {e.strerror}"]) from e
-    # From here on libraries' prints (MLflow creating its tables, import-time warnings, Prefect's notices)
-    # go to stderr with --verbose, else to the log file; stdout stays the summary's
     quieted = contextlib.redirect_stdout(sys.stderr) if args.verbose else progress.captured_output(log_path)
     with quieted:
-        _check_services(mlflow=True, prefect=True)
         from flows.nightly import nightly_flow
 
         for note in _warnings(_selected(specs, args)):
@@ -295,13 +302,20 @@ def _last_lines(summaries: list[dict[str, Any]], specs: Any, links: dict[str, st
     elif "pending" in statuses:
         lines.append("Next: some measurements were taken on a busy machine; run again when it is quiet to decide them")
     elif "promoted" in statuses:
-        promoted = sorted({f"models:/{s['registered_model']}@{specs.pipelines[s['pipeline']].promotion.alias}"
-                           for s in summaries if s["status"] == "promoted" and s.get("registered_model")
-                           and s["pipeline"] in specs.pipelines})
-        lines.append(f"Next: deploy {', '.join(promoted)}; an unchanged re-run is cached and moves nothing")
+        lines.append(f"Next: deploy {', '.join(_alias_uris(summaries, specs, promoted=True))}; an unchanged "
+                     "re-run is cached and moves nothing")
+    elif held := _alias_uris(summaries, specs, promoted=False):
+        lines.append(f"Next: nothing moved; {', '.join(held)} stays what to deploy; each candidate's reason is above")
     else:
         lines.append("Next: nothing moved; each candidate's reason is above and on its MLflow run")
     return lines
+
+
+def _alias_uris(summaries: list[dict[str, Any]], specs: Any, *, promoted: bool) -> list[str]:
+    """`models:/<name>@<alias>` of the versions this run promoted, or of those holding the alias after it."""
+    return sorted({f"models:/{s['registered_model']}@{specs.pipelines[s['pipeline']].promotion.alias}"
+                   for s in summaries if s.get("registered_model") and s["pipeline"] in specs.pipelines
+                   and (s["status"] == "promoted" if promoted else (s.get("decision") or {}).get("holds_alias"))})
 
 
 def pending_events(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -356,14 +370,30 @@ def _key_metric(summary: dict[str, Any], specs: Any) -> str:
     if spec is not None and spec.performance.objective == "latency":
         value = f"{metrics['p99_ms']:.3g} ms p99" if "p99_ms" in metrics else ""
     else:
-        value = f"{metrics['throughput']:.4g}/s" if "throughput" in metrics else ""
+        value = f"{_figure(metrics['throughput'])}/s" if "throughput" in metrics else ""
     versus = (summary.get("decision") or {}).get("vs_champion") or {}
     if versus.get("ratio") is not None:
         value = f"{versus['ratio']:.3g}x vs v{versus.get('version')}" + (f", {value}" if value else "")
     if not value:
         return "-"
     compact = _point(summary, specs).replace("batch ", "b").replace(" × seq ", "×s")
-    return f"{value} @ {compact}" if compact else value
+    return (f"{value} @ {compact}" if compact else value) + "".join(f" [{flag}]" for flag in _doubts(summary))
+
+
+def _figure(value: float) -> str:
+    """4 significant digits, without an exponent for the thousands a throughput usually is (16370, not 1.637e+04)."""
+    return f"{value:.0f}" if 1e4 <= abs(value) < 1e9 else f"{value:.4g}"
+
+
+def _doubts(summary: dict[str, Any]) -> list[str]:
+    """Why the key metric may not be the engine's: timed on a busy machine, or an interval too wide to tell."""
+    doubts = []
+    if ((summary.get("stages") or {}).get("benchmark") or {}).get("contended"):
+        doubts.append("busy machine")
+    versus = (summary.get("decision") or {}).get("vs_champion") or {}
+    if versus.get("conclusive") is False:
+        doubts.append("inconclusive")
+    return doubts
 
 
 def summary_table(summaries: list[dict[str, Any]], specs: Any) -> str:
@@ -532,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse has printed the usage and why
         return e.code if isinstance(e.code, int) else EXIT_INVALID
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # and the client's too: on a terminal Prefect's first import prints a usage-data notice before any capture
+    os.environ.setdefault("DO_NOT_TRACK", "1")
     # Prefect's temporary server gets 20 s to start by default; a busy 2-core machine needs longer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if args.command not in ("validate", "plan"):

@@ -40,7 +40,7 @@ def pool_of(target: TargetSpec) -> str:
     explicit = getattr(target, "pool", None)
     if explicit:
         return explicit
-    arch = getattr(target, "arch", None)
+    arch = target.gpu_arch
     return f"gpu-{arch}" if arch else CPU_POOL
 
 

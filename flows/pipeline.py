@@ -369,10 +369,20 @@ def _publish(pipeline: str, outcomes: list[CandidateOutcome]) -> None:
              "throughput": round(o.metrics.get("throughput", float("nan")), 2),
              "p99_ms": round(o.metrics.get("p99_ms", float("nan")), 3),
              "speedup_vs_reference": round(o.metrics.get("speedup_vs_reference", float("nan")), 3),
-             "reason": o.reason, "mlflow_run_id": o.run_id or ""}
+             "reason": o.reason, "mlflow_run_id": o.run_id or "", "mlflow_run": _run_link(o.run_id)}
             for o in outcomes]
     create_table_artifact(rows, key=f"{pipeline.replace('_', '-')}-candidates",
                           description=f"Candidates of pipeline {pipeline}: status, key metrics, gate reasons")
+
+
+def _run_link(run_id: str | None) -> str:
+    """The run in the MLflow UI, so a reader of the Prefect table can open it; empty when MLflow cannot say."""
+    if not run_id:
+        return ""
+    try:
+        return tracking.run_url(run_id)
+    except Exception:  # noqa: BLE001 - a link is a convenience; the run id is in the row
+        return ""
 
 
 def _after_promotion(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[dict[str, Any]]:

@@ -48,6 +48,45 @@ def _run_logger() -> logging.Logger | logging.LoggerAdapter | None:
     return get_run_logger()
 
 
+_roots: dict[str, str | None] = {}  # flow run id -> its outermost flow run's id (None: it is the outermost)
+
+
+def _outermost_flow_run_id() -> str | None:
+    """The top-level flow run above the current subflow run, or None when the current run is top-level.
+
+    `prefect deployment run ... --watch` streams the logs of the one flow run it started, not of its
+    subflows (the pipelines, the builds), so their lines are sent there too. Asked of the API once per
+    subflow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    flow_context, task_context = FlowRunContext.get(), TaskRunContext.get()
+    current = (str(task_context.task_run.flow_run_id) if task_context is not None and task_context.task_run
+               else str(flow_context.flow_run.id) if flow_context is not None and flow_context.flow_run else None)
+    if current is None:
+        return None
+    if current not in _roots:
+        root, run_id = None, current
+        with contextlib.suppress(Exception), get_client(sync_client=True) as client:  # no root: no copy
+            while (parent_task := client.read_flow_run(run_id).parent_task_run_id) is not None:
+                run_id = str(client.read_task_run(parent_task).flow_run_id)
+                root = run_id
+        _roots[current] = root
+    return _roots[current]
+
+
+def _watch_logger() -> logging.Logger:
+    """Sends to the API only (no console handler): the copy of a subflow's line for its top-level run."""
+    from prefect.logging.handlers import APILogHandler
+
+    logger = logging.getLogger("smelter.watch")
+    if not logger.handlers:
+        logger.addHandler(APILogHandler())
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
 def _terminal_stream() -> TextIO:
     return _terminal or sys.stderr
 
@@ -56,6 +95,8 @@ def _emit(markup: str, plain: str, *, failure: bool = False) -> None:
     logger = _run_logger()
     if logger is not None:
         (logger.warning if failure else logger.info)(plain)
+        if (root := _outermost_flow_run_id()) is not None:
+            _watch_logger().log(logging.WARNING if failure else logging.INFO, plain, extra={"flow_run_id": root})
     if _level == QUIET and not failure:
         return
     if logger is not None and _terminal is None:
@@ -74,8 +115,9 @@ class _LiveLine:
         self._ticker: threading.Thread | None = None
 
     def wanted(self) -> bool:
-        stream = _terminal_stream()
-        return _level == NORMAL and hasattr(stream, "isatty") and stream.isatty()
+        """Only while `smelter run` owns the terminal (`captured_output`): elsewhere (a worker, a flow run
+        from Python) other writers' lines would cut through it."""
+        return _level == NORMAL and _terminal is not None and _terminal.isatty()
 
     def text(self) -> str:
         now = time.perf_counter()

@@ -38,7 +38,7 @@ from tasks.outcome import Champion
 from tasks.spec import PipelineSpec
 from tasks.stage import KeepPublished, Work, run_stage
 from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, host_facts, tool_versions
-from tasks.tracking import recorded_engine_digest
+from tasks.tracking import engine_identity
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +80,7 @@ def benchmark_threads(spec: PipelineSpec, target_threads: int | None) -> int:
 def _config(spec: PipelineSpec, target_name: str) -> dict[str, Any]:
     target = spec.target(target_name)
     return {"task": spec.model.task, "benchmark": spec.benchmark.model_dump(mode="json"),
-            "gate_point": spec.gate_point, "threads": benchmark_threads(spec, getattr(target, "threads", None)),
+            "gate_point": spec.gate_point, "threads": benchmark_threads(spec, target.intra_op_threads),
             "method": stats.METHOD}
 
 
@@ -119,7 +119,7 @@ def benchmark_work(spec: PipelineSpec, target_name: str, builds: dict[str, Stage
     config, tools = _config(spec, target_name), tool_versions(*TOOLS)
     engines = sorted((name, build.key, build.content) for name, build in builds.items())
     parts = {"target": target_name, "engines": engines,
-             "champion": _extra_champion(champion, builds) and (champion.engine_digest or champion.build_key),
+             "champion": _extra_champion(champion, builds) and (champion.engine_identity or champion.build_key),
              "config": config,
              "data": file_digest(spec.resolve(spec.accuracy.data)), "host": host_facts(), "tools": tools}
 
@@ -138,7 +138,7 @@ def benchmark_work(spec: PipelineSpec, target_name: str, builds: dict[str, Stage
         _plot(measured.samples, w.dir / PLOT)
 
     inputs = {"builds": {name: b.key for name, b in builds.items()},
-              "engines": {name: recorded_engine_digest(b) for name, b in builds.items()},
+              "engines": {name: engine_identity(b) for name, b in builds.items()},
               "champion": champion.build_key if champion else None}
     return Work(spec.name, "benchmark", parts, CODE, produce, inputs=inputs, config=config, tools=tools,
                 reusable=_uncontended)
@@ -181,9 +181,9 @@ def _champion_info(result: StageResult, champion: Champion | None) -> dict[str, 
     if champion is None:
         return None
     inputs = result.manifest.get("inputs", {})
-    digests = inputs.get("engines") or {}
+    identities = inputs.get("engines") or {}
     same = [name for name, key in inputs.get("builds", {}).items()
-            if (digests.get(name) == champion.engine_digest if champion.engine_digest and digests.get(name)
+            if (identities.get(name) == champion.engine_identity if champion.engine_identity and identities.get(name)
                 else key == champion.build_key)]
     if same:
         return {"version": champion.version, "registered_model": champion.registered_model,

@@ -31,9 +31,9 @@ def same_engine(champion: Champion, build: StageResult) -> bool:
     """Whether `build` is the champion's engine: the same bytes. A build key names the inputs, and a rebuild
     from them (TensorRT is not bit-reproducible; `--force`, a repair) is another engine. A version registered
     before versions carried their digest is known by its build key alone."""
-    digest = tracking.recorded_engine_digest(build)
-    if champion.engine_digest and digest:
-        return digest == champion.engine_digest
+    identity = tracking.engine_identity(build)
+    if champion.engine_identity and identity:
+        return identity == champion.engine_identity
     return build.key == champion.build_key
 
 

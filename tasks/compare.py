@@ -47,7 +47,7 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
     spec, name = owner.spec, tracking.registered_model_name(owner.spec.name, owner.target)
     point = {"batch": batch or spec.gate_point["batch"], "seq": seq or spec.gate_point["seq"],
              "past": prefill_past(spec)}
-    threads = benchmark_threads(spec, getattr(spec.target(owner.target), "threads", None))
+    threads = benchmark_threads(spec, spec.target(owner.target).intra_op_threads)
     builds = {}  # labelled a and b, so a version compared with itself (the noise floor) is timed twice
     for label, version in (("a", version_a), ("b", version_b)):
         found = tracking.find_version(name, version)

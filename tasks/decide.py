@@ -99,8 +99,8 @@ def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion
     """Set `decision` on every candidate of one target."""
     pending = [o for o in outcomes if _hold_pending(o)]
     passing = [o for o in outcomes if o.passed_gates]
-    holder = next((o for o in outcomes if champion and "build" in o.stages and same_engine(champion, o.stages["build"])),
-                  None)
+    holder = next((o for o in outcomes
+                   if champion and "build" in o.stages and same_engine(champion, o.stages["build"])), None)
     if pending and holder in pending:
         holder.decision = Decision(holder.decision.reason + f" (champion v{champion.version} keeps the alias)",
                                    holds_alias=True)

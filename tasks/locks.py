@@ -79,11 +79,13 @@ _held_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def file_lock(path: Path, *, reentrant: bool = False) -> Iterator[None]:
+def file_lock(path: Path, *, reentrant: bool = False, what: str | None = None) -> Iterator[None]:
     """Hold an exclusive flock on `path` (created if missing); blocks until it is free.
 
-    `reentrant`: a second holder in this process goes through (a repair inside a build holds its key's
-    lock already); otherwise a process's threads exclude each other as other processes do.
+    The holder writes who it is into the file, so that a waiter for `what` can say, after
+    `SAY_AFTER_S`, who it waits for. `reentrant`: a second holder in this process goes through (a
+    repair inside a build holds its key's lock already); otherwise a process's threads exclude each
+    other as other processes do.
     """
     name = str(path)
     if reentrant:
@@ -100,7 +102,9 @@ def file_lock(path: Path, *, reentrant: bool = False) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _flock(fd, what)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"holder": Holder.current().to_dict(), "since": time.time()}).encode(), 0)
     except BaseException:
         os.close(fd)
         raise
@@ -116,6 +120,34 @@ def file_lock(path: Path, *, reentrant: bool = False) -> Iterator[None]:
         yield
     finally:
         _leave(name)
+
+
+def _flock(fd: int, what: str | None) -> None:
+    """Take the flock; while another process has it, say after SAY_AFTER_S who (when `what` names it)."""
+    if what is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return
+    started = time.monotonic()
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        if not said and time.monotonic() - started >= SAY_AFTER_S:
+            _report(f"warning: {what}: waiting, held by {_lock_holder(fd)} on this host{_blocked_here()}")
+            said = True
+        time.sleep(0.2)
+
+
+def _lock_holder(fd: int) -> str:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0))
+        since = datetime.fromtimestamp(float(data["since"]), timezone.utc).strftime("%H:%M:%S UTC")
+        return f"{Holder.from_dict(data['holder']).describe()} since {since}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
 
 
 def _leave(name: str) -> None:
@@ -353,7 +385,7 @@ def exclusive(what: str, scope: str) -> Iterator[None]:
     """Run the body alone among every process that asks for (`what`, `scope`): this host's, and other
     hosts' sharing the Prefect server. `scope` (e.g. the MLflow tracking URI) keeps unrelated stores apart."""
     slug = _slug(scope, what)
-    with file_lock(_lock_dir() / f"{slug}.lock"):
+    with file_lock(_lock_dir() / f"{slug}.lock", what=what):
         if _prefect_reachable():
             with held_slot(f"smelter-{slug}", what):
                 yield

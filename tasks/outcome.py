@@ -34,7 +34,7 @@ class Champion:
     run_id: str
     build_key: str | None
     precision: str | None
-    engine_digest: str | None = None  # what identifies its engine (tasks/champion.py `same_engine`); None: older versions
+    engine_identity: str | None = None  # its engine files' sha256 (tasks/champion.py `same_engine`); None: older ones
 
     @property
     def label(self) -> str:

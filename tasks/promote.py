@@ -1,7 +1,7 @@
 """Register passing candidates and move the promotion alias to the chosen one, all or nothing.
 
-One registered model per (pipeline, target); one version per engine, known by its bytes' digest
-(tag `engine_sha256`): the same bytes never make two versions, and a rebuild from the same inputs
+One registered model per (pipeline, target); one version per engine, known by its files' digest
+(tag `engine_identity`): the same bytes never make two versions, and a rebuild from the same inputs
 with other bytes (TensorRT is not bit-reproducible; `--force`, a repair) is a new version. The
 candidate whose decision (tasks/decide.py) says it takes the alias gets `promotion.alias`. Each
 registered model is promoted under its promotion lock (tasks/locks.py, which other hosts honour
@@ -144,7 +144,7 @@ def _promote_target(spec: PipelineSpec, target: TargetSpec, passing: list[Candid
     versions = {o.candidate.name: _register(name, alias, o, undo) for o in passing}
     best = next((o for o in passing if o.decision and o.decision.take_alias), None)
     previous = tracking.alias_version(name, alias)  # read again under the lock: compare, then set
-    if best is not None and previous != best.decision.champion:
+    if best is not None and previous not in (best.decision.champion, versions[best.candidate.name]):
         _alias_moved_meanwhile(passing, alias, best.decision.champion, previous)
         best = None
     promoted = best is not None and previous != versions[best.candidate.name]
@@ -178,7 +178,7 @@ def _alias_moved_meanwhile(passing: list[CandidateOutcome], alias: str, seen: st
 def _same_engine(name: str, outcome: CandidateOutcome) -> list[tracking.RegisteredVersion]:
     """The versions already holding this candidate's engine bytes, oldest first."""
     build = outcome.stages["build"]
-    return tracking.versions_of_engine(name, tracking.recorded_engine_digest(build), build.key)
+    return tracking.versions_of_engine(name, tracking.engine_identity(build), build.key)
 
 
 def _register(name: str, alias: str, outcome: CandidateOutcome, undo: _Undo) -> str:
@@ -188,15 +188,17 @@ def _register(name: str, alias: str, outcome: CandidateOutcome, undo: _Undo) -> 
     announcing the engine already in production as a new promotion. Should another process have
     created a version for the same bytes meanwhile (a host outside this lock), the lowest wins.
     """
+    found = tracking.engine_identity(outcome.stages["build"])
+    identity = {tracking.ENGINE_IDENTITY_TAG: found} if found else {}
     same_engine = _same_engine(name, outcome)
     if same_engine:
+        if identity and tracking.ENGINE_IDENTITY_TAG not in same_engine[0].tags:  # registered before versions had it
+            _refresh_tags(name, same_engine[0].version, identity, undo)
         _refresh_measurement(name, same_engine[0], outcome, undo)
         return same_engine[0].version
-    build = outcome.stages["build"]
     tags = {"candidate": outcome.candidate.name, "precision": outcome.candidate.precision,
-            "target": outcome.candidate.target, "cache_key": outcome.cache_key or "",
-            tracking.ENGINE_DIGEST_TAG: tracking.recorded_engine_digest(build) or ""}
-    tags |= _metric_tags(outcome) | tracking.measurement(outcome)
+            "target": outcome.candidate.target, "cache_key": outcome.cache_key or ""}
+    tags |= identity | _metric_tags(outcome) | tracking.measurement(outcome)
     created = tracking.create_version(name, outcome.run_id, tags, description=_version_description(outcome))
     undo.add(f"delete version {created.version} of {name}", lambda: tracking.delete_version(name, created.version))
     killpoints.reach("version.created")
@@ -221,11 +223,11 @@ def _version_description(outcome: CandidateOutcome) -> str:
 
 def _refresh_measurement(name: str, version: tracking.RegisteredVersion, outcome: CandidateOutcome,
                          undo: _Undo) -> None:
-    """Bring a reused version's metric tags, description and engine card to this run's measurement, when that
-    one is another (a re-measurement replaced the published one) and not older than what the tags show."""
+    """Bring a reused version's metric tags, description and engine card to this run's measurement when it is
+    newer than the one they show: a re-measurement replaced the published one (same key, later date)."""
     measured = tracking.measurement(outcome)
-    if not measured or version.tags.get(tracking.MEASURED_BENCHMARK) == measured[tracking.MEASURED_BENCHMARK] \
-            or version.tags.get(tracking.MEASURED_AT, "") > measured[tracking.MEASURED_AT]:
+    shown = version.tags.get(tracking.MEASURED_AT, "")  # none on a version registered before they were dated
+    if not measured.get(tracking.MEASURED_AT) or shown >= measured[tracking.MEASURED_AT]:
         return
     metrics = _metric_tags(outcome)
     stale = [k for k in key_metrics(dict.fromkeys(version.tags, 0.0)) if k not in metrics]  # not measured today

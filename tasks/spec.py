@@ -2,7 +2,7 @@
 
 The schema (pydantic models and bounds) is tasks/config/schema.py, the loader (YAML, located
 errors, checks across keys) tasks/config/loader.py, the checks that look at the environment
-tasks/preflight.py. This module only gathers their public names, so `from tasks.spec import
+tasks/config/preflight.py. This module only gathers their public names, so `from tasks.spec import
 PipelineSpec, load` reads one place; none of those modules imports it.
 """
 

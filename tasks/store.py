@@ -233,7 +233,7 @@ class ArtifactStore:
         """This host's lock on one key (a file lock in the store): one builder, one repairer at a time."""
         path = self.root / LOCKS_DIR / pipeline / stage / f"{key}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(path, reentrant=True):
+        with file_lock(path, reentrant=True, what=f"{pipeline} {stage} {key}"):
             yield
 
     @contextlib.contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import hashlib
 import html
 import json
 import math
@@ -59,8 +60,13 @@ COMPARISON_COLUMNS = ["engine", "versus", "ratio", "ci_low", "ci_high", "conclus
 OUTCOME_RECORD = "smelter/outcome.json"  # a candidate's stage results, as the parent run rebuilds them
 OWNER_TAG = "smelter.owner"  # "<host> <pid> <process start>": who may still be writing a RUNNING run
 ENGINE_DIGEST_TAG = "engine_sha256"
+ENGINE_IDENTITY_TAG = "engine_identity"  # a registry version's identity: `engine_identity`, its engine files' sha256
+ENGINE_SIDECAR = "engine.json"  # what every backend writes beside its engine (tasks/backends: SIDECAR), build times too
 ENGINE_SOURCE_TAG = "engine_source"  # the engine's copy in MLflow when the run did not upload one itself
 ENGINE_CHECK_TAG = "engine_check"  # "passed", or why not: the verdict of the host that built the engine
+# MLflow 3.17's UI picks an experiment's page by its GenAI / Model training switch (default GenAI: traces),
+# not by the experiment's kind tag; this query selects runs, and the UI remembers it
+UI_TRAINING_VIEW = "workflowType=machine_learning"
 SUMMARY_FIGURE = "summary.png"  # speedup of every candidate of a run, on the parent run and each engine card
 OUTBOX_TAG = "smelter.events"  # a version's promotion events (tasks/notify.py writes it)
 OUTBOX_STATUS_TAG = "smelter.events.status"  # the same, in a few words
@@ -293,10 +299,9 @@ def _log_engine(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
     if build is None:
         return
     name = registered_model_name(spec.name, outcome.candidate.target)
-    recorded = recorded_engine_digest(build)
-    holder = versions_of_engine(name, recorded, build.key) if build.cached else []
+    holder = versions_of_engine(name, engine_identity(build), build.key) if build.cached else []
     if holder:
-        mlflow.set_tags({ENGINE_SOURCE_TAG: f"models:/{name}/{holder[0].version}", ENGINE_DIGEST_TAG: recorded or ""})
+        mlflow.set_tag(ENGINE_SOURCE_TAG, f"models:/{name}/{holder[0].version}")
         return
     digest = engine_check.engine_digest(build, engine_check.verify_files(build))
     earlier = _earlier_upload(spec.name, build.key, digest) if build.cached else None
@@ -430,7 +435,7 @@ def measurement(outcome: CandidateOutcome) -> dict[str, str]:
         return {}
     host = benchmark.outputs.get("host") or {}
     created, share = benchmark.manifest.get("created_unix"), host.get("foreign_cpu_share")
-    return {MEASURED_AT: datetime.fromtimestamp(created, UTC).isoformat(timespec="seconds") if created else "",
+    return {MEASURED_AT: datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds") if created else "",
             MEASURED_CONTENDED: str(bool(host.get("contended"))).lower(),
             MEASURED_CPU_SHARE: "" if share is None else f"{share:.3g}",
             MEASURED_BENCHMARK: benchmark.key, MEASURED_RUN: outcome.run_id or ""}
@@ -531,9 +536,15 @@ def log_summary_figure(parent_run_id: str, figure: bytes) -> None:
 
 
 def rounded(metrics: dict[str, float]) -> dict[str, float]:
-    """Metrics as MLflow shows them: 4 significant digits, more than any timing or accuracy here
-    resolves (17 digits in the UI only hide the number); whole numbers (bytes, counts) stay whole."""
-    return {k: v if not math.isfinite(v) or v == int(v) else float(f"{v:.4g}") for k, v in metrics.items()}
+    """Metrics as MLflow shows them: 4 significant digits, more than any timing here resolves (17 digits
+    in the UI only hide the number); accuracy keeps 6, so a cosine of 0.99996 does not read as 1; whole
+    numbers (bytes, counts) stay whole."""
+    speed = {f"{HEADLINE_PREFIX}{short}" for short in ("speedup", "throughput", "p99_ms", "engine_mb")}
+
+    def digits(name: str) -> int:  # the headline copies of accuracy metrics are `_<metric>`
+        return 6 if name.startswith("accuracy.") or name.startswith(HEADLINE_PREFIX) and name not in speed else 4
+
+    return {k: v if not math.isfinite(v) or v == int(v) else float(f"{v:.{digits(k)}g}") for k, v in metrics.items()}
 
 
 def show_outbox(registered_model: str, version: str) -> None:
@@ -581,7 +592,7 @@ def as_champion(name: str, found: Any) -> Champion:
     """A registered version (MLflow's, or a RegisteredVersion) as the engine record benchmarks fetch and time."""
     return Champion(registered_model=name, version=str(found.version), run_id=found.run_id,
                     build_key=found.tags.get("cache_key") or None, precision=found.tags.get("precision"),
-                    engine_digest=found.tags.get(ENGINE_DIGEST_TAG) or None)
+                    engine_identity=found.tags.get(ENGINE_IDENTITY_TAG) or None)
 
 
 def previous_version(spec: PipelineSpec, target_name: str, precision: str, build_key: str | None) -> dict[str, Any] | None:
@@ -718,26 +729,25 @@ def find_versions(name: str, tags: dict[str, str]) -> list[RegisteredVersion]:
             return sorted(found, key=lambda v: int(v.version))
 
 
-def recorded_engine_digest(build: StageResult) -> str | None:
-    """The engine digest its build manifest records (the file hashes the upload and registration check against the
-    bytes): a registry version's identity; None when the manifest lists no files."""
-    files = build.manifest.get("files") or {}
+def engine_identity(build: StageResult) -> str | None:
+    """A registry version's identity: one sha256 over the engine's files as its build manifest records them (the
+    hashes the upload and the check before registering verify on the bytes), less the backend's sidecar, whose
+    build times differ on every rebuild; None when the manifest lists no engine file."""
+    files = {name: meta for name, meta in (build.manifest.get("files") or {}).items() if name != ENGINE_SIDECAR}
     if not files:
         return None
-    return engine_check.engine_digest(build, {name: str(meta.get("sha256")) for name, meta in files.items()})
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(f"{name}\0{files[name].get('sha256')}\n".encode())
+    return digest.hexdigest()
 
 
-def versions_of_engine(name: str, digest: str | None, build_key: str | None) -> list[RegisteredVersion]:
-    """The versions holding the engine with this digest, oldest first: those tagged with it, and those registered
-    before versions carried their digest (known by build key) whose run uploaded these bytes or recorded none."""
-    found = find_versions(name, {ENGINE_DIGEST_TAG: digest}) if digest else []
+def versions_of_engine(name: str, identity: str | None, build_key: str | None) -> list[RegisteredVersion]:
+    """The versions holding the engine with this identity, oldest first: those tagged with it, and those registered
+    before versions carried one, known by their build key alone."""
+    found = find_versions(name, {ENGINE_IDENTITY_TAG: identity}) if identity else []
     if build_key:
-        for older in find_versions(name, {"cache_key": build_key}):
-            if ENGINE_DIGEST_TAG in older.tags:
-                continue
-            uploaded = uploaded_engine_digest(older.run_id) if digest else None
-            if uploaded in (None, "", digest):
-                found.append(older)
+        found += [v for v in find_versions(name, {"cache_key": build_key}) if ENGINE_IDENTITY_TAG not in v.tags]
     return sorted(found, key=lambda v: int(v.version))
 
 
@@ -830,11 +840,11 @@ def run_metrics(run_id: str) -> dict[str, float]:
 
 def run_url(run_id: str) -> str:
     """Where a run opens in the MLflow UI: on the tracking server, or on `mlflow ui`'s default address
-    when the client writes a store directly."""
+    when the client writes a store directly; in the UI's model-training view (UI_TRAINING_VIEW)."""
     experiment_id = _client().get_run(run_id).info.experiment_id
     server = urlsplit(tracking_server() or "http://127.0.0.1:5000")
     base = f"{server.scheme}://{server.netloc.rpartition('@')[2]}{server.path}".rstrip("/")  # no user:password
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
 
 
 def tracking_server() -> str | None:

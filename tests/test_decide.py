@@ -270,3 +270,52 @@ def test_contended_numbers_that_passed_the_gates_still_move_nothing() -> None:
         outcome.stages["benchmark"] = StageResult("enc", "benchmark", "bench", Path("."), {"outputs": outputs})
     result = run(fp32, int8, champion=None)
     assert not any(take for take, _, _ in result.values()) and int8.status == "pending"
+
+
+# --- identity by engine bytes, and the alias moved meanwhile --------------------------------------------------------
+
+def with_bytes(outcome: CandidateOutcome, sha256: str) -> CandidateOutcome:
+    """The candidate's build manifest lists one engine file with this sha256: what identifies the engine."""
+    build = outcome.stages["build"]
+    manifest = build.manifest | {"files": {"model.plan": {"sha256": sha256, "bytes": 1}}}
+    outcome.stages["build"] = StageResult("enc", "build", build.key, Path("."), manifest)
+    return outcome
+
+
+def champion_of(sha256: str) -> Champion:
+    from tasks.tracking import engine_identity
+
+    digest = engine_identity(with_bytes(candidate("fp32"), sha256).stages["build"])
+    return Champion("enc-cpu", "3", "run-3", "key-fp32", "fp32", engine_identity=digest)
+
+
+def test_a_rebuild_with_the_champions_build_key_but_other_bytes_is_a_challenger_not_the_champion() -> None:
+    """TensorRT builds are not bit-reproducible: after `--force` or a repair the same inputs give other bytes,
+    which are measured against the registered champion like any candidate, and win only on the usual terms."""
+    rebuilt = with_bytes(candidate("fp32", vs_champion=(1.01, 0.99, 1.03), champion=measured("champion v3")), "b" * 64)
+    result = run(rebuilt, champion=champion_of("a" * 64))
+    assert result["fp32"] == (False, False, "not significant: 1.01x [0.99, 1.03] vs champion v3 (needs ≥ 1.05x "
+                                            "with the interval above 1)")
+    faster = with_bytes(candidate("fp32", vs_champion=(1.2, 1.15, 1.25), champion=measured("champion v3")), "b" * 64)
+    assert run(faster, champion=champion_of("a" * 64))["fp32"][:2] == (True, True)
+
+    same = with_bytes(candidate("fp32", key="key-fp32-other-toolchain", champion=measured("enc/fp32/cpu")), "a" * 64)
+    assert run(same, champion=champion_of("a" * 64))["fp32"] == (False, True, "holds the alias (champion v3)"), \
+        "the same bytes are the champion, whatever key built them"
+
+
+def test_a_decision_records_the_champion_it_saw_and_the_alias_moved_while_measuring_moves_nothing() -> None:
+    """Promotion moves the alias only from `Decision.champion` (compare-and-set, tasks/promote.py); and when the
+    benchmark timed another version than the run's champion, the comparison is with the wrong engine."""
+    int8 = candidate("int8", vs_champion=(1.4, 1.3, 1.5), champion=measured("champion v3"))
+    run(int8)
+    assert int8.decision.take_alias and int8.decision.champion == "3"
+    none_yet = candidate("int8")
+    run(none_yet, champion=None)
+    assert none_yet.decision.take_alias and none_yet.decision.champion is None
+
+    moved = candidate("int8", vs_champion=(1.4, 1.3, 1.5), champion=measured("champion v4", version="4"))
+    result = run(moved)
+    assert result["int8"][:2] == (False, False)
+    assert result["int8"][2].startswith("the champion measured, v4, is not v3, which held the alias when this run "
+                                        "started: the alias moved meanwhile; nothing moves")

@@ -182,3 +182,46 @@ def test_an_fp8_engine_keeps_its_most_sensitive_products_in_bf16(llama_dir: Path
     cosine = cosine_vs_fp32(tmp_path, target, llama_dir)
     print(f"fp8 engine with its sensitive products in bf16 vs fp32: cosine min {cosine:.4f}")
     assert cosine > 0.98
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
+def test_decode_products_compute_their_reference_on_fresh_inputs(rows: int) -> None:
+    """smelter::decode_linear on the GPU (the weight-streaming kernel up to GEMV_ROWS rows, cuBLAS above;
+    e4m3 weights with per-channel scales) against the same function in fp32, odd sizes included."""
+    from tasks.backends import decode_products as dp
+
+    for n, k in ((3072, 2048), (1000, 304), (64, 8192)):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        quantised, scale = dp.quantize_weight(w)
+        for weight, s, limit in ((w, None, 1e-2), (quantised, scale, 1e-2 if rows <= dp.GEMV_ROWS else 0.06)):
+            if s is not None and (n % 16 or k % 16) and rows > dp.GEMV_ROWS:
+                continue  # cuBLAS's fp8 product needs sizes divisible by 16
+            exact = x.float() @ (weight.float() * (s[:, None] if s is not None else 1)).t()
+            got = torch.ops.smelter.decode_linear(x, weight, s).float()
+            error = float((got - exact).norm() / exact.norm())
+            print(f"rows {rows} n {n} k {k} {weight.dtype}: relative error {error:.2e}")
+            assert torch.isfinite(got).all() and error < limit
+
+
+def test_an_fp8_engine_decodes_with_e4m3_weights(llama_dir: Path, tmp_path: Path) -> None:
+    """Precision fp8: the decode step reads e4m3 weights (per-channel scales, the LM head too) and
+    follows the fp32 model token by token, at a batch the weight-streaming kernel runs and one cuBLAS does."""
+    from transformers import AutoModelForCausalLM
+
+    target = fp8_target(fp8_exclude=["layers.1.down"])
+    InductorBackend().build_from_model(llama_dir, "text-generation", "fp8", target,
+                                       [ProfileSpec(batch=[1, 2, 16], seq=[1, 1, 8], past=[0, 8, 16])], tmp_path)
+    sidecar = json.loads((tmp_path / "engine.json").read_text())
+    assert sidecar["decode_products"]["fp8_weights"] and sidecar["decode_products"]["kept"] == ["layers.1.down"]
+    runner = InductorBackend().load(tmp_path, target)
+    reference = AutoModelForCausalLM.from_pretrained(llama_dir).cuda().eval()
+    for batch in (2, 16):
+        ids = torch.randint(0, 512, (batch, 8), device="cuda")
+        with torch.no_grad():
+            expected = reference(input_ids=ids).logits.float()
+        session = runner.decoder(batch, 24)
+        steps = torch.stack([session.step(ids[:, i:i + 1], i) for i in range(8)], dim=1).float()
+        cosine = float(torch.nn.functional.cosine_similarity(steps, expected, dim=-1).min())
+        print(f"fp8-weight decode step, batch {batch}, vs fp32: cosine min {cosine:.4f}")
+        assert cosine > 0.98

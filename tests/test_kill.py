@@ -13,6 +13,7 @@ is how a receiver drops it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import select
@@ -79,7 +80,7 @@ def test_a_run_killed_at_any_point_is_completed_by_the_next_without_loss(
     assert again["events_pending"] == []
 
 
-def _run_in_terminal(setup: CliSetup, store: str, artifacts: Path, env: dict[str, str]) -> tuple[int, int, str]:
+def _run_in_terminal(setup: CliSetup, artifacts: Path, env: dict[str, str]) -> tuple[int, int, str]:
     """Start `smelter run` as a terminal's foreground job; returns (pid, the terminal's fd, ""): read with _read."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: a session leader whose controlling terminal is the pty
@@ -133,7 +134,8 @@ def test_ctrl_c_in_a_terminal_stops_the_run_cleanly_and_the_next_completes(
     paused = tmp_path / "paused"
     env = setup.env | {"MLFLOW_TRACKING_URI": store, "SMELTER_KILL_AT": point, "SMELTER_KILL_SIGNAL": "PAUSE",
                        "SMELTER_PAUSE_FILE": str(paused), "TERM": "xterm"}
-    pid, fd, shown = _run_in_terminal(setup, store, artifacts, env)
+    pid, fd, shown = _run_in_terminal(setup, artifacts, env)
+    code = None
     try:
         deadline = time.monotonic() + 240
         while not paused.exists() and time.monotonic() < deadline:
@@ -143,9 +145,10 @@ def test_ctrl_c_in_a_terminal_stops_the_run_cleanly_and_the_next_completes(
         os.write(fd, b"\x03")  # the terminal turns it into SIGINT for its foreground process group
         code, after = _wait_exit(pid, fd, CTRL_C_WITHIN_S)
     finally:
-        if os.waitpid(pid, os.WNOHANG)[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        if code is None:  # not reaped yet: still running, or ended before the point
+            with contextlib.suppress(ChildProcessError, ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
         os.close(fd)
     assert code == 130, f"exit {code} after Ctrl-C at {point}:\n{(shown + after)[-3000:]}"
     assert "interrupted (Ctrl-C)" in after and "Traceback" not in after, after[-3000:]

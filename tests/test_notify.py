@@ -15,11 +15,11 @@ from pydantic import ValidationError
 from tasks import notify, tracking
 from tasks.metrics import stage_metrics
 from tasks.outcome import CandidateOutcome
-from tasks.decide import decide
 from tasks.promote import promote
 from tasks.spec import PipelineSpec, WebhookSpec
 from tasks.store import ArtifactStore
 from tests.fixtures.candidates import candidate_outcome, pipeline_spec
+from tests.fixtures.judged import judged
 from tests.fixtures.servers import WebhookReceiver
 
 RETRIES = 2
@@ -32,9 +32,7 @@ def _spec(receiver: WebhookReceiver) -> PipelineSpec:
 
 def _promoted(spec: PipelineSpec, outcome: CandidateOutcome) -> list[dict]:
     """What the pipeline flow does after the gates: log, promote, notify; returns the deliveries."""
-    with tracking.pipeline_run(spec, "run", {}) as parent_id:
-        outcome.run_id = tracking.log_candidate(parent_id, spec, outcome)
-    promote(spec, decide(spec, [outcome], {}))
+    promote(spec, judged(spec, [outcome]))
     assert outcome.status == "promoted"
     return notify.notify_promotions(spec, [outcome], backoff_s=0.01)
 
@@ -256,9 +254,7 @@ def test_events_recorded_in_the_earlier_per_field_tags_are_still_delivered_with_
         webhook_receiver: WebhookReceiver, tmp_path: Path) -> None:
     spec = _spec(webhook_receiver)
     outcome = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=500.0)
-    with tracking.pipeline_run(spec, "run", {}) as parent_id:
-        outcome.run_id = tracking.log_candidate(parent_id, spec, outcome)
-    promote(spec, decide(spec, [outcome], {}))
+    promote(spec, judged(spec, [outcome]))
     name, version = outcome.model_name, outcome.model_version
     tracking.delete_version_tag(name, version, notify.EVENTS_TAG)
     body = json.dumps({"event": "engine.promoted", "version": version, "delivery_id": "legacy-id-1"})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -83,3 +85,59 @@ def test_final_table_shows_version_key_metric_and_reason(pipeline_factory, tiny_
     assert rows[2].split()[:4] == ["enc/int8/cpu", "rejected", "-", "1234/s"]
     assert rows[2].endswith("  cosine_min: 0.91 < min 0.97")
     assert rows[3].split()[:4] == ["enc/fp16/cpu", "failed", "-", "-"] and rows[3].endswith("out of memory")
+
+
+LIVE_BENCHMARK = textwrap.dedent("""
+    import random, sys
+    from pathlib import Path
+    from flows import progress
+    from tasks.measure import Contender, measure_rounds
+    rng = random.Random(0)
+    timer = lambda n: [1.0 + rng.random() * 0.01 for _ in range(n)]
+    with progress.captured_output(Path(sys.argv[1])):
+        progress.stage_started("enc/cpu", "benchmark")
+        measure_rounds([Contender("reference", timer), Contender("enc/fp32/cpu", timer)],
+                       [("reference", "enc/fp32/cpu")], warmup=1, min_rounds=8, max_seconds=30, precision=0.05)
+        progress.stage_done("enc/cpu", "benchmark", cached=False)
+""")
+
+
+def test_on_a_terminal_a_live_line_follows_the_running_benchmark(tmp_path: Path) -> None:
+    """Rounds and the interval's half-width against the target while it runs; cleared for the done line."""
+    import os
+    import pty
+
+    main, child = pty.openpty()
+    done = subprocess.run([sys.executable, "-c", LIVE_BENCHMARK, str(tmp_path / "run.log")], stderr=child,
+                          stdout=subprocess.DEVNULL,
+                          env=project_env() | {"COLUMNS": "200"}, timeout=120)
+    os.close(child)
+    shown = b""
+    with contextlib.suppress(OSError):  # the pty's reader sees EIO once everything written is read
+        while chunk := os.read(main, 65536):
+            shown += chunk
+    os.close(main)
+    assert done.returncode == 0
+    text = re.sub(r"\x1b\[[0-9;]*m", "", shown.decode())  # colours off; the line clears (\x1b[2K) stay
+    assert "\x1b[2K⏳ enc/cpu benchmark 0s" in text, "the live line appears when the stage starts"
+    assert re.search(r"⏳ enc/cpu benchmark \d+s \(round 8, ±[\d.]+% of ±5% target\)", text), text
+    last = text.replace("\r\n", "\n").split("\r")[-1]
+    assert last.startswith("\x1b[2K✔ enc/cpu") and "benchmark" in last and "done" in last, repr(last)
+
+
+def test_inside_a_flow_run_a_line_reaches_the_console_once(prefect_server: None, capfd: pytest.CaptureFixture[str]) -> None:
+    """A worker's output: Prefect's console handler prints the run logger's line; smelter adds no copy,
+    in a subflow too (a deployed pipeline runs as one)."""
+    from prefect import flow
+
+    @flow(name="progress-inner")
+    def inner() -> None:
+        progress.stage_done("enc/fp32/cpu", "build", cached=True)
+
+    @flow(name="progress-outer")
+    def outer() -> None:
+        inner()
+
+    outer()
+    lines = [line for line in capfd.readouterr().err.splitlines() if "enc/fp32/cpu" in line]
+    assert len(lines) == 1, lines

@@ -1,9 +1,12 @@
-"""Promotion as a deploy system sees it: only passing engines in the registry, the alias on the best
-one, moved only by a new promotion, and never left half-moved when a step fails."""
+"""Promotion as a deploy system sees it: only passing engines in the registry, one version per engine's
+bytes, the alias on the best one, moved only by a new promotion from the champion the decision saw, and
+never left half-moved when a step fails. Every run after the first decides against the champion the
+registry holds, measured side by side (tests/fixtures/judged.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 import subprocess
 import uuid
@@ -16,20 +19,13 @@ from mlflow.tracking import MlflowClient
 
 from tasks import notify, tracking
 from tasks.outcome import CandidateOutcome
-from tasks.decide import decide
 from tasks.promote import PromotionError, promote
-from tasks.spec import PipelineSpec
 from tasks.store import ArtifactStore, file_digest
 from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
+from tests.fixtures.judged import judged
+from tests.fixtures.onnx_graphs import linear_model
 
 pytestmark = pytest.mark.usefixtures("mlflow_server")
-
-
-def _logged(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
-    with tracking.pipeline_run(spec, "run", {}) as parent_id:
-        for outcome in outcomes:
-            outcome.run_id = tracking.log_candidate(parent_id, spec, outcome)
-    return decide(spec, outcomes, {})
 
 
 def _versions(name: str) -> list[str]:
@@ -47,7 +43,7 @@ def test_best_passing_candidate_gets_alias_and_rejected_ones_are_never_registere
     slow = candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0)
     rejected = candidate_outcome(store, spec, "fp32", "sm90", throughput=900.0, passed=False)
     failed = failed_outcome(store, spec, "int8", "sm90")
-    outcomes = promote(spec, _logged(spec, [fast, slow, rejected, failed]))
+    outcomes = promote(spec, judged(spec, [fast, slow, rejected, failed]))
     for outcome in outcomes:
         tracking.finish_candidate(outcome.run_id, spec, outcome)
 
@@ -84,12 +80,12 @@ def test_an_engine_rejected_before_and_passing_now_is_uploaded_to_the_run_that_r
     store = ArtifactStore(tmp_path / "artifacts")
     rejected = candidate_outcome(store, spec, "int8", "cpu", throughput=500.0, passed=False)
     rejected.stages["build"] = dataclasses.replace(rejected.stages["build"], cached=True)
-    promote(spec, _logged(spec, [rejected]))
+    promote(spec, judged(spec, [rejected]))
     first_run = rejected.run_id
     passing = candidate_outcome(store, spec, "int8", "cpu", throughput=500.0)
     passing.stages["build"] = dataclasses.replace(passing.stages["build"], cached=True)
     assert passing.cache_key == rejected.cache_key
-    logged = _logged(spec, [passing])
+    logged = judged(spec, [passing])
     assert tracking.engine_source(passing.run_id) == f"runs:/{first_run}/engine", "nothing uploaded while judged"
     promote(spec, logged)
 
@@ -108,7 +104,7 @@ def test_latency_objective_promotes_the_lowest_p99(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path)
     high_throughput = candidate_outcome(store, spec, "int8", "cpu", throughput=500.0, p99_ms=20.0)
     low_latency = candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0, p99_ms=8.0)
-    promote(spec, _logged(spec, [high_throughput, low_latency]))
+    promote(spec, judged(spec, [high_throughput, low_latency]))
     assert (low_latency.status, high_throughput.status) == ("promoted", "passed")
     assert _alias(f"{spec.name}-cpu") == low_latency.model_version
 
@@ -118,22 +114,22 @@ def test_alias_moves_only_when_a_later_run_promotes(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path)
     name = f"{spec.name}-cpu"
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, _logged(spec, [first]))
+    promote(spec, judged(spec, [first]))
     assert _alias(name) == first.model_version
 
     worse = candidate_outcome(store, spec, "int8", "cpu", throughput=100.0, passed=False, variant="night-2")
-    promote(spec, _logged(spec, [worse]))
+    promote(spec, judged(spec, [worse]))
     assert worse.status == "rejected" and _alias(name) == first.model_version
     assert _versions(name) == [first.model_version]
 
     unchanged = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, _logged(spec, [unchanged]))
+    promote(spec, judged(spec, [unchanged]))
     assert unchanged.cache_key == first.cache_key
     assert unchanged.status == "passed" and unchanged.model_version == first.model_version
     assert _versions(name) == [first.model_version]
 
     better = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-4")
-    promote(spec, _logged(spec, [better]))
+    promote(spec, judged(spec, [better]))
     assert better.status == "promoted" and _alias(name) == better.model_version != first.model_version
 
 
@@ -144,7 +140,7 @@ def test_failed_promotion_step_restores_previous_alias_model_metadata_and_remove
     store = ArtifactStore(tmp_path)
     name = f"{spec.name}-cpu"
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, _logged(spec, [first]))
+    promote(spec, judged(spec, [first]))
     client = MlflowClient()
     client.update_registered_model(name, description="written by hand")
     client.set_registered_model_tag(name, "model", "an older model")
@@ -162,7 +158,7 @@ def test_failed_promotion_step_restores_previous_alias_model_metadata_and_remove
     monkeypatch.setattr(tracking, "set_version_tags", refuse_record)
     better = candidate_outcome(store, spec, "int8", "cpu", throughput=900.0, variant="night-2")
     with pytest.raises(PromotionError, match=f"promotion of pipeline {spec.name} failed: .*rolled back"):
-        promote(spec, _logged(spec, [better]))
+        promote(spec, judged(spec, [better]))
 
     assert _alias(name) == first.model_version
     assert _versions(name) == [first.model_version]
@@ -187,15 +183,15 @@ def test_a_version_that_gets_the_alias_back_has_its_tags_refreshed(tmp_path: Pat
     store = ArtifactStore(tmp_path)
     name = f"{spec.name}-cpu"
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, _logged(spec, [first]))
+    promote(spec, judged(spec, [first]))
     promoted_at = MlflowClient().get_model_version(name, first.model_version).tags["promoted_at"]
     second = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-2")
-    promote(spec, _logged(spec, [second]))
+    promote(spec, judged(spec, [second]))
     tags = MlflowClient().get_model_version(name, first.model_version).tags
     assert (tags["status"], tags["superseded_by"]) == ("superseded", second.model_version)
 
     again = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, _logged(spec, [again]))
+    promote(spec, judged(spec, [again]))
     assert again.status == "promoted" and again.model_version == first.model_version
     tags = MlflowClient().get_model_version(name, first.model_version).tags
     assert (tags["status"], tags["superseded_by"], tags["throughput"]) == ("promoted", "", "400")
@@ -209,7 +205,7 @@ def test_a_corrupt_or_unloadable_engine_is_never_registered_and_the_alias_stays(
     store = ArtifactStore(tmp_path)
     name = f"{spec.name}-cpu"
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, _logged(spec, [first]))
+    promote(spec, judged(spec, [first]))
 
     bad = candidate_outcome(store, spec, "int8", "cpu", throughput=900.0, variant="night-2")
     build = bad.stages["build"]
@@ -223,9 +219,9 @@ def test_a_corrupt_or_unloadable_engine_is_never_registered_and_the_alias_stays(
     if damage.startswith("unloadable"):  # broken before it was built into the cache: every hash agrees with it
         damage_engine()
         build.manifest["files"]["model.onnx"]["sha256"] = file_digest(engine)
-        logged = _logged(spec, [bad])
+        logged = judged(spec, [bad])
     else:
-        logged = _logged(spec, [bad])
+        logged = judged(spec, [bad])
         damage_engine()
     promote(spec, logged)
 
@@ -245,7 +241,7 @@ def test_an_engine_built_on_another_host_is_registered_only_on_that_hosts_check(
     spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
     name = f"{spec.name}-cpu"
     remote = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=400.0)
-    logged = _logged(spec, [remote])
+    logged = judged(spec, [remote])
     shutil.rmtree(remote.stages["build"].path)  # the parent's host never had the build directory
     if verdict:
         tracking.record_engine_check(remote.run_id, verdict)
@@ -276,3 +272,101 @@ def test_stale_running_runs_of_dead_processes_are_closed_and_live_ones_left_alon
     assert client.get_run(killed).info.status == "KILLED"
     assert client.get_run(live).info.status == "RUNNING"
     assert client.get_run(elsewhere).info.status == "RUNNING", "another host's process cannot be checked here"
+
+
+def _rebuilt(outcome: CandidateOutcome, seed: int | None) -> CandidateOutcome:
+    """The candidate as a `--force` rebuild or a repair leaves it: the same build key, a sidecar with another
+    build time and, with a `seed`, other engine bytes (a TensorRT build is not bit-reproducible)."""
+    build = outcome.stages["build"]
+    sidecar = build.file("engine.json")
+    sidecar.write_text(json.dumps(json.loads(sidecar.read_text()) | {"optimize_seconds": 0.123}))
+    changed = [sidecar] + ([linear_model(build.file("model.onnx"), fp16=False, seed=seed)] if seed is not None else [])
+    for path in changed:
+        build.manifest["files"][path.name] = {"sha256": file_digest(path), "bytes": path.stat().st_size}
+    return outcome
+
+
+def test_a_version_is_its_engine_bytes_a_rebuild_with_other_bytes_is_a_new_one_measured_against_the_champion(
+        tmp_path: Path) -> None:
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    name = f"{spec.name}-cpu"
+    first = candidate_outcome(ArtifactStore(tmp_path / "night-1"), spec, "int8", "cpu", throughput=400.0)
+    promote(spec, judged(spec, [first]))
+    same_bytes = _rebuilt(candidate_outcome(ArtifactStore(tmp_path / "night-2"), spec, "int8", "cpu",
+                                            throughput=400.0), seed=None)  # a rebuild that gave the same engine
+    promote(spec, judged(spec, [same_bytes]))
+    assert same_bytes.model_version == first.model_version and _versions(name) == [first.model_version]
+    assert same_bytes.decision.holds_alias and same_bytes.status == "passed"
+
+    rebuilt = _rebuilt(candidate_outcome(ArtifactStore(tmp_path / "night-3"), spec, "int8", "cpu", throughput=400.0),
+                       seed=7)
+    assert rebuilt.cache_key == first.cache_key
+    promote(spec, judged(spec, [rebuilt], vs_champion=1.01))
+
+    assert rebuilt.model_version != first.model_version
+    assert _versions(name) == sorted([first.model_version, rebuilt.model_version])
+    assert rebuilt.reason.startswith(f"not significant: 1.01x [0.99, 1.03] vs champion v{first.model_version}")
+    assert rebuilt.status == "passed" and _alias(name) == first.model_version
+    client = MlflowClient()
+    digests = {v: client.get_model_version(name, v).tags[tracking.ENGINE_IDENTITY_TAG]
+               for v in (first.model_version, rebuilt.model_version)}
+    assert digests[rebuilt.model_version] == tracking.engine_identity(rebuilt.stages["build"])
+    assert digests[first.model_version] != digests[rebuilt.model_version]
+    engine = Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{rebuilt.model_version}",
+                                                      dst_path=str(tmp_path / "dl")))
+    assert (engine / "model.onnx").read_bytes() == rebuilt.stages["build"].file("model.onnx").read_bytes()
+
+    rebuilt_again = _rebuilt(candidate_outcome(ArtifactStore(tmp_path / "night-4"), spec, "int8", "cpu",
+                                               throughput=400.0), seed=7)
+    promote(spec, judged(spec, [rebuilt_again], vs_champion=1.01))
+    assert rebuilt_again.model_version == rebuilt.model_version, "the same bytes never make two versions"
+    assert len(_versions(name)) == 2
+
+
+@pytest.mark.parametrize("meanwhile", ["another run promoted its engine", "the alias was removed by hand"])
+def test_the_alias_moves_only_from_the_champion_the_decision_saw(tmp_path: Path, meanwhile: str) -> None:
+    """Compare-and-set: between the decision and the move, the alias changed; the newer state is kept."""
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path)
+    name = f"{spec.name}-cpu"
+    first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
+    promote(spec, judged(spec, [first]))
+    late = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-2")
+    decided = judged(spec, [late])
+    assert late.decision.take_alias and late.decision.champion == first.model_version
+
+    if meanwhile.startswith("another run"):
+        other = candidate_outcome(store, spec, "fp32", "cpu", throughput=700.0, variant="night-2-elsewhere")
+        promote(spec, judged(spec, [other]))
+        assert other.status == "promoted"
+        now = other.model_version
+    else:
+        tracking.delete_alias(name, "champion")
+        now = None
+    promote(spec, decided)
+
+    assert tracking.alias_version(name, "champion") == now, "a newer state of the alias is never overwritten"
+    assert late.status == "passed" and late.model_version is not None
+    assert not late.decision.take_alias and not late.decision.holds_alias
+    assert (f"not applied: alias champion moved from v{first.model_version} to {f'v{now}' if now else 'no version'}"
+            in late.reason)
+    late_tags = MlflowClient().get_model_version(name, late.model_version).tags
+    assert notify.EVENTS_TAG not in late_tags and late_tags.get("status") != "promoted", "no event, no promotion"
+    if now:
+        assert MlflowClient().get_model_version(name, now).tags["status"] == "promoted"
+
+
+def test_two_runs_deciding_for_the_same_engine_at_once_register_and_announce_it_once(tmp_path: Path) -> None:
+    """Both saw no champion; the second to promote finds the alias already on that very engine: no conflict."""
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    name = f"{spec.name}-cpu"
+    runs = [candidate_outcome(ArtifactStore(tmp_path / f"host-{i}"), spec, "int8", "cpu", throughput=400.0)
+            for i in range(2)]
+    decided = [judged(spec, [outcome]) for outcome in runs]
+    for outcomes in decided:
+        promote(spec, outcomes)
+
+    assert [o.status for o in runs] == ["promoted", "passed"]
+    assert runs[0].model_version == runs[1].model_version == _alias(name) and _versions(name) == [_alias(name)]
+    assert "not applied" not in runs[1].reason
+    assert len(notify.read_events(MlflowClient().get_model_version(name, _alias(name)).tags)) == 1

@@ -54,3 +54,12 @@ def test_every_smelter_command_in_the_readme_and_docs_parses():
     assert commands
     for args in commands:
         _parser().parse_args(args)  # argparse exits (SystemExit) on a command the CLI does not take
+
+
+def test_readme_pictures_exist_and_come_from_the_screenshot_script():
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", README.read_text())
+    assert pictures, "the README shows no screenshot"
+    for picture in pictures:
+        assert (REPO / picture).is_file(), f"README.md shows {picture}, which does not exist"
+        assert picture.split("/")[-1] in (REPO / "scripts" / "screenshots.py").read_text(), \
+            f"{picture} is not one scripts/screenshots.py makes"

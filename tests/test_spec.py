@@ -18,9 +18,12 @@ from pydantic import ValidationError
 
 from flows.cli import main
 from tasks.backends.base import BackendUnavailable, get_backend
-from tasks.backends.table import BACKENDS, PRECISIONS
-from tasks.spec import (TARGET_CLASSES, InductorTarget, OnnxRuntimeTarget, SpecError, TensorRTTarget, load,
-                        parse_bytes, select)
+from tasks.backends.inductor_target import InductorTarget
+from tasks.backends.onnxruntime_target import OnnxRuntimeTarget
+from tasks.backends.table import BACKENDS
+from tasks.backends.tensorrt_target import TensorRTTarget
+from tasks.config.bounds import PRECISIONS
+from tasks.spec import TARGET_CLASSES, SpecError, load, parse_bytes, select
 
 VALID = """\
 defaults:
@@ -108,8 +111,10 @@ def test_each_backend_has_its_own_settings(workdir: Path) -> None:
     text = llama_decoder(workdir, "[fp32, fp16, bf16, int8, fp8]")
     enc = load(write(workdir, text)).pipelines["enc"]
     cpu, sm90, h200, a100, cpu_pt = enc.targets
-    assert isinstance(cpu, OnnxRuntimeTarget) and (cpu.threads, cpu.arch, cpu.device_kind) == (2, None, "cpu")
-    assert isinstance(sm90, TensorRTTarget) and sm90.workspace_bytes == 2 << 30 and sm90.threads is None
+    assert isinstance(cpu, OnnxRuntimeTarget) and (cpu.threads, cpu.gpu_arch, cpu.device_kind) == (2, None, "cpu")
+    assert isinstance(sm90, TensorRTTarget) and sm90.workspace_bytes == 2 << 30 and sm90.intra_op_threads is None
+    assert (sm90.gpu_arch, h200.gpu_arch, cpu_pt.intra_op_threads) == ("sm90", "sm90", 4)
+    assert cpu.with_threads(8).intra_op_threads == 8 and sm90.with_threads(8) == sm90
     assert isinstance(h200, InductorTarget) and (h200.device, h200.format, h200.cuda_graphs) == ("cuda", "aoti", True)
     assert h200.compile_mode == "max-autotune-no-cudagraphs" and h200.device_kind == "gpu"
     assert (cpu_pt.device_kind, cpu_pt.cuda_graphs, cpu_pt.threads, cpu_pt.arch) == ("cpu", False, 4, None)
@@ -201,24 +206,30 @@ def test_validate_and_plan_show_the_skipped_pairs(workdir: Path, capsys: pytest.
     assert [line.split()[1] for line in out.splitlines() if line.startswith("enc/bf16/cpu ")] == ["-"]
 
 
-def test_backend_table_names_every_backend_the_schema_accepts() -> None:
-    assert set(TARGET_CLASSES) == set(BACKENDS) == {"onnxruntime", "tensorrt", "inductor"}
+def test_the_schema_accepts_every_registered_backend_and_only_those() -> None:
+    """The built-in backends come through the same entry points a plugin uses; the union is made from them."""
+    assert set(TARGET_CLASSES) == set(BACKENDS) >= {"onnxruntime", "tensorrt", "inductor"}
+    assert all(BACKENDS[name].distribution == "smelter" for name in ("onnxruntime", "tensorrt", "inductor"))
     assert all(set(info.precisions) <= set(PRECISIONS) for info in BACKENDS.values())
     assert (BACKENDS["inductor"].source, BACKENDS["tensorrt"].source) == ("torch", "onnx")
     assert get_backend("onnxruntime").name == "onnxruntime"
-    with pytest.raises(ValueError, match="unknown backend 'tflite'; expected one of onnxruntime"):
+    with pytest.raises(ValueError, match=f"unknown backend 'tflite'; expected one of {', '.join(BACKENDS)}$"):
         get_backend("tflite")
+
+
+def test_the_readme_backend_table_is_generated_from_the_registry() -> None:
+    from tasks.backends.table import markdown
+
+    rows = {row.split("|")[1].strip(" `"): row for row in markdown().splitlines()[2:]}
+    assert set(rows) == set(BACKENDS)
+    assert "| cpu | the precision stage's ONNX | fp32, fp16, int8 | `optimization_level`, `threads` |" in rows["onnxruntime"]
 
 
 def test_a_backend_module_that_cannot_be_imported_fails_only_its_own_targets(
         monkeypatch: pytest.MonkeyPatch, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tasks.backends import table
-
-    broken = table.BackendInfo("inductor", "tasks.backends.not_written_yet", "InductorBackend", ("gpu", "cpu"),
-                               "torch", ("fp32", "bf16"))
-    monkeypatch.setitem(table.BACKENDS, "inductor", broken)
+    monkeypatch.setattr(InductorTarget, "implementation", "tasks.backends.not_written_yet:InductorBackend")
     with pytest.raises(BackendUnavailable, match="backend inductor is not available here: cannot import "
-                                                 "tasks.backends.not_written_yet.InductorBackend"):
+                                                 "tasks.backends.not_written_yet:InductorBackend"):
         get_backend("inductor")
     cpu_pt = "      - {name: cpu-pt, backend: inductor, device: cpu}\n"
     text = VALID.replace("      - {name: cpu, backend: onnxruntime}\n", f"      - {{name: cpu, backend: onnxruntime}}\n{cpu_pt}")

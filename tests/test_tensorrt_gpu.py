@@ -11,8 +11,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from tasks.backends import trt_plan
-from tasks.backends.base import BackendUnavailable
-from tasks.spec import ProfileSpec, TensorRTTarget
+from tasks.backends.base import BackendUnavailable, EngineMismatch
+from tasks.backends.tensorrt_target import TensorRTTarget
+from tasks.spec import ProfileSpec
 
 pytestmark = pytest.mark.tensorrt
 
@@ -53,10 +54,14 @@ def test_build_writes_engine_and_sidecar(built):
 
 
 def test_second_build_reuses_the_timing_cache(built, tmp_path):
+    """The first build starts from no cache and saves one; the same build again loads exactly that cache,
+    times nothing new (a hit), and leaves it as it was."""
+    first = json.loads((built["out"] / trt_plan.SIDECAR).read_text())["timing_cache"]
     facts = TensorRTBackend().build(built["fp16"], built["target"], PROFILES, tmp_path, built["root"] / "cache")
-    sidecar = json.loads((tmp_path / trt_plan.SIDECAR).read_text())
-    assert sidecar["timing_cache"]["loaded_bytes"] > 0
-    assert facts["timing_cache_hit"] == sidecar["timing_cache"]["hit"]
+    second = json.loads((tmp_path / trt_plan.SIDECAR).read_text())["timing_cache"]
+    assert first["loaded_bytes"] == 0 and not first["hit"] and first["saved_bytes"] > 0
+    assert second["loaded_bytes"] == second["saved_bytes"] == first["saved_bytes"]
+    assert second["hit"] and facts["timing_cache_hit"]
 
 
 def test_runner_matches_onnx_runtime_across_profiles(built):
@@ -85,7 +90,7 @@ def test_engine_from_another_gpu_is_refused_before_loading(built, tmp_path):
     sidecar = json.loads((tmp_path / trt_plan.SIDECAR).read_text())
     sidecar["compute_capability"] = "1.0"
     (tmp_path / trt_plan.SIDECAR).write_text(json.dumps(sidecar))
-    with pytest.raises(trt_plan.EngineMismatch, match="compute capability differs"):
+    with pytest.raises(EngineMismatch, match="compute capability differs"):
         TensorRTBackend().load(tmp_path, built["target"])
 
 

@@ -8,9 +8,10 @@ import pytest
 from onnx import TensorProto, helper
 
 from tasks.backends import trt_plan
-from tasks.backends.trt_plan import EngineMismatch
+from tasks.backends.base import EngineMismatch
+from tasks.backends.tensorrt_target import TensorRTTarget
 from tasks.gpu import GpuInfo
-from tasks.spec import ProfileSpec, TensorRTTarget
+from tasks.spec import ProfileSpec
 
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", (9, 0), "580.159.03")
 A100 = GpuInfo("NVIDIA A100-SXM4-80GB", (8, 0), "580.159.03")
@@ -151,3 +152,11 @@ def test_bfloat16_round_trips_through_its_bits():
     assert trt_plan.numpy_dtype("HALF") == "float16"
     with pytest.raises(ValueError, match="FP8"):
         trt_plan.numpy_dtype("FP8")
+
+
+def test_a_timing_cache_hit_is_a_build_that_loaded_a_cache_and_timed_nothing_new(tmp_path) -> None:
+    path = tmp_path / "timing.cache"
+    assert not trt_plan.timing_cache_report(path, b"", b"saved")["hit"]  # nothing loaded: a cold build
+    assert trt_plan.timing_cache_report(path, b"saved", b"saved")["hit"]
+    report = trt_plan.timing_cache_report(path, b"saved", b"saved+new")  # new tactics were timed
+    assert not report["hit"] and (report["loaded_bytes"], report["saved_bytes"]) == (5, 9)

@@ -49,9 +49,25 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None)
     return (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
 
 
+# (N, K, weight bytes per element) -> (BLOCK_N, BLOCK_K, num_warps) for the Llama-3.2-1B decoder's
+# product shapes: the block shapes the H200 figures of 2026-12-04 09:21 ran with (benchmarks/gpu_pipeline.py,
+# section decode_step, `gemv_configs`). They were picked by timing each product alone, call by call;
+# for all but the LM head those calls were bound by the host's launch (55-70 us against a few us of
+# reading), so the choice among them is not yet measured: other shapes use gemv_config's rule.
+GEMV_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
+    (3072, 2048, 1): (4, 512, 4), (3072, 2048, 2): (8, 512, 4),
+    (2048, 2048, 1): (32, 512, 8), (2048, 2048, 2): (2, 1024, 4),
+    (16384, 2048, 1): (32, 512, 8), (16384, 2048, 2): (16, 512, 8),
+    (2048, 8192, 1): (8, 1024, 8), (2048, 8192, 2): (8, 1024, 8),
+    (128256, 2048, 1): (32, 256, 4), (128256, 2048, 2): (16, 256, 4)}
+
+
 def gemv_config(n: int, k: int, itemsize: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of the weight-streaming kernel: 16 bytes per thread per load
-    along K, and enough programs (BLOCK_N rows each) to keep every multiprocessor's loads in flight."""
+    """(BLOCK_N, BLOCK_K, num_warps) of the weight-streaming kernel: the measured one for this shape,
+    else 16 bytes per thread per load along K and enough programs (BLOCK_N rows each) to keep every
+    multiprocessor's loads in flight."""
+    if (n, k, itemsize) in GEMV_CONFIGS:
+        return GEMV_CONFIGS[(n, k, itemsize)]
     block_k = min(triton.next_power_of_2(k), 512 if itemsize >= 2 else 1024)
     block_n = 1
     while block_n < 32 and -(-n // (block_n * 2)) >= 512 and block_n * 2 * block_k <= 16384:

@@ -1,7 +1,9 @@
-"""The pipelines file: the bounds its schema is built from and the loader that reads it.
+"""The pipelines file: what it may declare, how it is read, what is checked before any work.
 
-`tasks.spec` (the pydantic models) only describes; `tasks.config.loader` reads YAML, reports
-located errors and runs the checks that span keys; `tasks.preflight` looks at the environment.
-Modules here import the schema and the backend registry, never a stage, a backend's runtime or
-`flows`.
+`schema` holds the pydantic models and `bounds` their limits: they only describe. `loader` reads
+the YAML (through tasks.yaml_source), reports every problem at its line and runs the checks that
+span keys; `preflight` looks at what lies outside the file (data, the model's config, the
+environment). Imports go one way: loader -> preflight -> schema -> bounds, and the schema's
+target union comes from the backend registry (tasks.backends.table). `tasks.spec` gathers the
+public names for the rest of smelter. Nothing here imports a stage, a backend's runtime or `flows`.
 """

@@ -3,7 +3,7 @@
 Every error names the file, the line, the key and what was expected, so a typo in a nightly
 config fails in a second instead of after an hour of exports. Every value shown in a message is
 cut short: the file may come from anyone. The checks here span several keys of one pipeline (or
-several pipelines); those that look at files and the environment are tasks.preflight's.
+several pipelines); those that look at files and the environment are tasks.config.preflight's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tasks import preflight
+from tasks.config import preflight
 from tasks.backends.table import BACKENDS
 from tasks.config.schema import TARGET_CLASSES, Candidate, FleetSpec, PipelineSpec, PipelinesFile, registered_model_name
 from tasks.redact import redacted_url
@@ -36,9 +36,6 @@ class SpecError(Exception):
     def __init__(self, problems: list[str]):
         self.problems = [clip(printable(p), MAX_PROBLEM_CHARS) for p in _bounded(problems)]
         super().__init__("\n".join(self.problems))
-
-
-    fleet: FleetSpec = FleetSpec()
 
 
 Located = tuple[tuple[Any, ...], str]

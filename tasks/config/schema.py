@@ -1,7 +1,7 @@
 """The pipelines.yaml schema: what a user may declare, and nothing else.
 
 Pydantic models and their bounds only: reading YAML and locating errors is tasks.config.loader's,
-looking at files and the environment is tasks.preflight's. Types are strict (`true` is not 1,
+looking at files and the environment is tasks.config.preflight's. Types are strict (`true` is not 1,
 1e20 is not an integer), numbers finite and bounded. The target union is built from the backend
 registry (tasks.backends.table), so an installed backend plugin's settings are part of it.
 """

@@ -1,0 +1,143 @@
+"""Check the import graph of tasks/ and flows/: no circle, no upward import, schema within its size.
+
+A circle (the schema calling preflight, which imports the schema) makes every module on it load,
+test and change together; `tasks` importing `flows` puts the orchestration under the work it
+orchestrates. The graph is read from the source (AST), with imports inside functions counted
+(they are circles all the same, only deferred) and those under `if TYPE_CHECKING:` left out (they
+never run). tests/test_import_graph.py runs this.
+
+Usage: python scripts/import_graph.py [ROOT]   (default: this repository; exit 1 on a problem)
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGES = ("tasks", "flows")
+UPWARD = (("tasks", "flows"),)  # (importer, imported): a module of the first may not import the second
+BUDGETS = {"tasks/spec.py": 500, "tasks/config/schema.py": 500}  # lines
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Every module of PACKAGES under root, by dotted name (a package by its own name)."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or \
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+def _imports(tree: ast.AST, name: str, is_package: bool, known: dict[str, Path]) -> set[str]:
+    """The modules of `known` that module `name` imports, at any depth, outside TYPE_CHECKING blocks."""
+    found: set[str] = set()
+    package = name if is_package else name.rpartition(".")[0]
+
+    def resolve(module: str) -> str | None:
+        while module and module not in known:
+            module = module.rpartition(".")[0]
+        return module or None
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(m for alias in node.names if (m := resolve(alias.name)))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                target = resolve(f"{base}.{alias.name}") if f"{base}.{alias.name}" in known else resolve(base)
+                if target:
+                    found.add(target)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    found.discard(name)
+    return found
+
+
+def graph(root: Path) -> dict[str, set[str]]:
+    known = modules(root)
+    return {name: _imports(ast.parse(path.read_text(encoding="utf-8"), str(path)), name,
+                           path.name == "__init__.py", known)
+            for name, path in known.items()}
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(edges) + 100))
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return sorted(found)
+
+
+def problems(root: Path) -> list[str]:
+    """Every rule the tree breaks, one sentence each."""
+    edges = graph(root)
+    found = [f"import circle: {' -> '.join(c)} (each imports another of them, directly or through the others)"
+             for c in circles(edges)]
+    for importer, imported in UPWARD:
+        found += [f"{name} imports {target}: {importer}/ must not import {imported}/"
+                  for name, targets in sorted(edges.items()) if name.split(".")[0] == importer
+                  for target in sorted(targets) if target.split(".")[0] == imported]
+    for path, limit in BUDGETS.items():
+        if (root / path).is_file() and (lines := len((root / path).read_text(encoding="utf-8").splitlines())) > limit:
+            found.append(f"{path} has {lines} lines, over its budget of {limit}: split it by concern")
+    return found
+
+
+def main(argv: list[str]) -> int:
+    root = Path(argv[0]) if argv else Path(__file__).resolve().parents[1]
+    found = problems(root)
+    for line in found:
+        print(line)
+    if not found:
+        edges = graph(root)
+        print(f"ok: {len(edges)} modules, {sum(map(len, edges.values()))} imports, no circle")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,71 @@
+"""What a user reads in the registry is today's measurement: when a quieter re-measurement replaces the
+published one, the registered version's metric tags, description and engine card follow, dated and saying
+how busy the machine was; an older measurement never overwrites a newer one."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tasks import tracking
+from tasks.outcome import CandidateOutcome
+from tasks.promote import promote
+from tasks.spec import PipelineSpec
+from tasks.store import ArtifactStore
+from tests.fixtures.candidates import _point, candidate_outcome, pipeline_spec
+from tests.fixtures.judged import judged
+
+pytestmark = pytest.mark.usefixtures("mlflow_server")
+
+
+def _remeasured(store: ArtifactStore, spec: PipelineSpec, outcome: CandidateOutcome, *, throughput: float,
+                cpu_share: float) -> CandidateOutcome:
+    """The same engine in a later run whose benchmark measured again and replaced the published measurement
+    (same key, as tasks/benchmark.py does when the new one is less contended)."""
+    key = outcome.stages["benchmark"].key
+    with store.writing(spec.name, "benchmark", key) as w:
+        points = [_point(1, 2.0, 5.0), _point(4, 4000 / throughput, 10.0)]
+        w.outputs.update({"points": points, "gate_point": points[1],
+                          "host": {"foreign_cpu_share": cpu_share, "contended": False, "contended_above": 0.25}})
+    return CandidateOutcome(outcome.candidate, "passed", stages=outcome.stages | {"benchmark": w.result},
+                            gates=list(outcome.gates))
+
+
+def test_a_replaced_measurement_updates_the_versions_tags_description_and_card(tmp_path: Path) -> None:
+    spec = pipeline_spec(f"truth-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path)
+    name = f"{spec.name}-cpu"
+    earlier = candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0)
+    promote(spec, judged(spec, [earlier]))
+    first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
+    promote(spec, judged(spec, [first], vs_champion=1.3))  # promoted over `earlier`: its tags say vs_champion
+    client = MlflowClient()
+    tags = client.get_model_version(name, first.model_version).tags
+    assert (tags["throughput"], tags["vs_champion"], tags[tracking.MEASURED_CONTENDED]) == ("400", "1.3", "false")
+    first_measured = tags[tracking.MEASURED_AT]
+
+    quieter = _remeasured(store, spec, first, throughput=480.0, cpu_share=0.02)
+    promote(spec, judged(spec, [quieter]))
+    assert quieter.model_version == first.model_version and quieter.decision.holds_alias
+
+    version = client.get_model_version(name, first.model_version)
+    measured_at = version.tags[tracking.MEASURED_AT]
+    taken = datetime.fromtimestamp(quieter.stages["benchmark"].manifest["created_unix"], UTC)
+    assert measured_at == taken.isoformat(timespec="milliseconds") and measured_at > first_measured
+    assert version.tags["throughput"] == "480" and version.tags[tracking.MEASURED_CPU_SHARE] == "0.02"
+    assert version.tags[tracking.MEASURED_CONTENDED] == "false"
+    assert version.tags[tracking.MEASURED_RUN] == quieter.run_id
+    assert "vs_champion" not in version.tags, "a ratio to a former champion is no figure of today's"
+    assert version.tags["status"] == "promoted", "the promotion record stays"
+    assert f"Measured {measured_at} on a quiet machine (other processes used 2% of the CPU)" in version.description
+    card = mlflow.artifacts.load_text(f"runs:/{first.run_id}/engine_card.md")  # the card the version's run shows
+    assert "| throughput | 480 |" in card and f"Measured {measured_at}" in card and "| throughput | 400 |" not in card
+    assert card.startswith(f"# {first.candidate.name}") and "## Identity" in card, "only the metric section changed"
+
+    promote(spec, judged(spec, [first]))  # another host still reading the older measurement
+    assert client.get_model_version(name, first.model_version).tags["throughput"] == "480"
