@@ -31,7 +31,8 @@ def summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> Figu
     for row, outcome in enumerate(outcomes):
         value = outcome.metrics.get(RATIO)
         colour = COLOURS[outcome.status]
-        label = outcome.status + (f" @{spec.promotion.alias}" if _holds_alias(outcome) else "")
+        label = ("pending (machine busy)" if outcome.status == "pending" else outcome.status) + (
+            f" @{spec.promotion.alias}" if _holds_alias(outcome) else "")
         if value is None or not math.isfinite(value):
             axes.text(0.02, row, f"{label}: not measured", va="center", transform=axes.get_yaxis_transform(),
                       color=colour)
@@ -49,7 +50,7 @@ def summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> Figu
     axes.axvline(1.0, color="black", linewidth=0.8, linestyle=":")
     if gate is not None and gate.min is not None:
         axes.axvline(gate.min, color="#c62828", linewidth=1.2, linestyle="--", label=f"gate: ≥ {gate.min:g}x")
-        axes.legend(loc="lower right", fontsize=8)
+        axes.legend(loc="best", fontsize=8)
     axes.set_yticks(range(len(names)), names)
     axes.invert_yaxis()
     axes.set_xlim(0, _right_edge(outcomes, gate.min if gate is not None and gate.min is not None else 1.0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +27,10 @@ PLUGIN = REPO / "tests" / "data" / "toy_backend"
 def plugin_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The environment of a smelter process that has the toy backend installed (and nothing else changed)."""
     root = tmp_path_factory.mktemp("plugin")
-    site = root / "site"
+    site, source = root / "site", root / "toy_backend"
+    shutil.copytree(PLUGIN, source)  # setuptools writes build/ and egg-info beside the sources it installs
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(site), str(PLUGIN)], check=True, capture_output=True, timeout=300,
+                    "--target", str(site), str(source)], check=True, capture_output=True, timeout=300,
                    env=os.environ | {"PIP_NO_INDEX": "1", "TMPDIR": str(root)})
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
     return env | {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "HF_HUB_OFFLINE": "1",

@@ -193,7 +193,7 @@ def test_a_worker_killed_mid_build_frees_its_slot_on_a_lasting_server(cli_setup:
     killed = run_cli(cli_setup, store, artifacts, kill_at="build")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
 
-    result = run_cli(cli_setup, store, artifacts, "--verbose")
+    result = run_cli(cli_setup, store, artifacts)
     summary(result)
     assert "taken over" in result.stderr and "waiting, held by" not in result.stderr, result.stderr[-3000:]
     import httpx
