@@ -391,7 +391,8 @@ def _doubts(summary: dict[str, Any]) -> list[str]:
     if ((summary.get("stages") or {}).get("benchmark") or {}).get("contended"):
         doubts.append("busy machine")
     versus = (summary.get("decision") or {}).get("vs_champion") or {}
-    if versus.get("conclusive") is False:
+    low, high = versus.get("ci") or (None, None)
+    if versus.get("conclusive") is False and not (high is not None and high < 1):  # below 1 says "slower" enough
         doubts.append("inconclusive")
     return doubts
 

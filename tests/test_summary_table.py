@@ -35,14 +35,18 @@ def test_the_alias_is_named_and_metric_and_reason_speak_of_one_ratio_at_one_poin
 def test_a_measurement_on_a_busy_machine_or_too_wide_to_tell_is_flagged(pipeline_factory, tiny_bert_dir):
     specs = load(pipeline_factory(tiny_bert_dir, "feature-extraction", name="enc"))
     wide = {"ratio": 1.02, "ci": [0.9, 1.15], "version": "1", "conclusive": False}
-    busy, unsure, quiet = summary_table([
+    wide_but_slower = {"ratio": 0.77, "ci": [0.72, 0.83], "version": "1", "conclusive": False}
+    busy, unsure, quiet, slower = summary_table([
         _summary("enc/fp32/cpu", "pending", stages={"benchmark": {"key": "k", "cached": False, "contended": True}},
                  decision={"reason": "timed on a busy machine: the next quiet run decides"}),
         _summary("enc/int8/cpu", "passed", model_version="2",
                  decision={"reason": "not conclusively faster than champion v1", "vs_champion": wide}),
         _summary("enc/fp16/cpu", "passed", model_version="3",
                  stages={"benchmark": {"key": "k", "cached": False, "contended": False}}),
+        _summary("enc/bf16/cpu", "passed", model_version="4",
+                 decision={"reason": "slower: 0.77x [0.72, 0.83] vs champion v1", "vs_champion": wide_but_slower}),
     ], specs).splitlines()[1:]
     assert "[busy machine]" in busy and "[inconclusive]" not in busy
     assert "[inconclusive]" in unsure and "[busy machine]" not in unsure
     assert "[" not in quiet
+    assert "[inconclusive]" not in slower, "an interval wholly below 1 tells, however wide"
