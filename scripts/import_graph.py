@@ -17,7 +17,10 @@ from pathlib import Path
 
 PACKAGES = ("tasks", "flows")
 UPWARD = (("tasks", "flows"),)  # (importer, imported): a module of the first may not import the second
-BUDGETS = {"tasks/spec.py": 500, "tasks/config/schema.py": 500}  # lines
+BUDGETS = {"tasks/spec.py": 500, "tasks/config/schema.py": 500,  # lines
+           "tasks/tracking.py": 100,  # re-exports only: the work is in tasks/registry/
+           **{f"tasks/registry/{name}.py": 500 for name in ("__init__", "client", "runs", "versions", "uploads",
+                                                           "card", "candidates", "webhooks")}}
 
 
 def modules(root: Path) -> dict[str, Path]:

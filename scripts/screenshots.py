@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TRAINING_VIEW = "workflowType=machine_learning"  # the UI's Model training view (tasks/tracking.py says why)
+TRAINING_VIEW = "workflowType=machine_learning"  # the UI's Model training view (tasks/registry/runs.py says why)
 PAGE_BUDGET_MS = 20000  # virtual time Chromium gives the single-page app to fetch and render
 
 

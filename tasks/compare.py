@@ -19,7 +19,7 @@ from tasks.hostload import LoadWatch
 from tasks.inputs import point_feeds, read_texts
 from tasks.measure import Contender, measure_rounds
 from tasks.models import load_reference, load_tokenizer
-from tasks.spec import PipelinesFile, PipelineSpec, SpecError
+from tasks.spec import PipelinesFile, PipelineSpec, SpecError, registered_model_name
 from tasks.stats import METHOD, MIN_ROUNDS, Ratio
 from tasks.store import ArtifactStore
 
@@ -33,9 +33,9 @@ class ComparedModel:
 def find_registered_model(specs: PipelinesFile, registered_model: str) -> ComparedModel:
     """The (pipeline, target) whose registered model this is; a name no pipeline owns is a usage error."""
     owners = [ComparedModel(spec, t.name) for spec in specs.pipelines.values() for t in spec.targets
-              if tracking.registered_model_name(spec.name, t.name) == registered_model]
+              if registered_model_name(spec.name, t.name) == registered_model]
     if not owners:
-        known = sorted(tracking.registered_model_name(s.name, t.name) for s in specs.pipelines.values() for t in s.targets)
+        known = sorted(registered_model_name(s.name, t.name) for s in specs.pipelines.values() for t in s.targets)
         raise SpecError([f"{specs.path}: compare {registered_model}: no pipeline and target of this file register "
                          f"that model; they register {', '.join(known)}"])
     return owners[0]
@@ -44,7 +44,7 @@ def find_registered_model(specs: PipelinesFile, registered_model: str) -> Compar
 def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store: ArtifactStore,
                      batch: int | None = None, seq: int | None = None) -> dict[str, Any]:
     """How many times faster version_b is than version_a at (batch, seq), with its 95% interval."""
-    spec, name = owner.spec, tracking.registered_model_name(owner.spec.name, owner.target)
+    spec, name = owner.spec, registered_model_name(owner.spec.name, owner.target)
     point = {"batch": batch or spec.gate_point["batch"], "seq": seq or spec.gate_point["seq"],
              "past": prefill_past(spec)}
     threads = benchmark_threads(spec, spec.target(owner.target).intra_op_threads)

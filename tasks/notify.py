@@ -30,7 +30,7 @@ Signing follows MLflow's own webhooks. Headers:
 
 A receiver checks them with `verify_signature(secret, request.headers, raw_body)`. The secret comes
 only from the environment variable the webhook names; it is never logged nor stored in MLflow.
-Nor is the webhook URL, which may carry a token: MLflow holds `tracking.redacted_url`, whose hash
+Nor is the webhook URL, which may carry a token: MLflow holds `redact.redacted_url`, whose hash
 finds the configured webhook again at retry time.
 """
 
@@ -54,7 +54,8 @@ import httpx
 from tasks import killpoints, locks, tracking
 from tasks.metrics import key_metrics
 from tasks.outcome import CandidateOutcome
-from tasks.spec import PipelineSpec, WebhookSpec
+from tasks.redact import redacted_url
+from tasks.spec import PipelineSpec, WebhookSpec, registered_model_name
 
 EVENT = "engine.promoted"
 DELIVERY_ID_HEADER = "X-Smelter-Delivery-Id"
@@ -143,7 +144,7 @@ def promotion_event(spec: PipelineSpec, outcome: CandidateOutcome, registered_mo
 def new_record(spec: PipelineSpec, event: dict, previous: str | None) -> dict:
     """One outbox entry: the event, the alias's version before it moved, a pending delivery per webhook."""
     return {"event": event, "previous": previous, "recorded_at": datetime.now(UTC).isoformat(),
-            "deliveries": [{"webhook": index, "url": tracking.redacted_url(hook.url), "delivery_id": uuid.uuid4().hex,
+            "deliveries": [{"webhook": index, "url": redacted_url(hook.url), "delivery_id": uuid.uuid4().hex,
                             "status": "pending", "attempts": 0, "last_error": ""}
                            for index, hook in enumerate(spec.promotion.webhooks)]}
 
@@ -190,7 +191,7 @@ def send(hook: WebhookSpec, body: str, delivery_id: str, *, backoff_s: float = 1
     secret = os.environ.get(hook.secret_env)
     if not secret:
         return "pending", 0, f"environment variable {hook.secret_env} is not set; the event cannot be signed"
-    raw, where, error = body.encode(), tracking.redacted_url(hook.url), ""
+    raw, where, error = body.encode(), redacted_url(hook.url), ""
     for attempt in range(hook.retries + 1):
         if attempt:
             time.sleep(backoff_s * 2 ** (attempt - 1))
@@ -279,7 +280,7 @@ def _is_number(text: str) -> bool:
 
 def _settle(spec: PipelineSpec, registered_model: str, backoff_s: float) -> list[Delivery]:
     """Reconcile one registered model's alias with its outbox, then send what is pending, oldest first."""
-    hooks = {tracking.redacted_url(hook.url): hook for hook in spec.promotion.webhooks}
+    hooks = {redacted_url(hook.url): hook for hook in spec.promotion.webhooks}
     boxes, entries = _outbox(registered_model)
     entries = _reconcile(spec, registered_model, boxes, entries)
     reached = _reached_alias(entries, tracking.alias_version(registered_model, spec.promotion.alias))
@@ -338,6 +339,6 @@ def retry_pending(specs: PipelineSpec | Iterable[PipelineSpec], *, backoff_s: fl
     results = []
     for spec in [specs] if isinstance(specs, PipelineSpec) else list(specs):
         for target in spec.targets:
-            name = tracking.registered_model_name(spec.name, target.name)
+            name = registered_model_name(spec.name, target.name)
             results += [asdict(d) for d in settle_model(spec, name, backoff_s=backoff_s)]
     return results

@@ -35,7 +35,7 @@ from pathlib import Path
 from tasks import engine_check, killpoints, notify, tracking
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Decision
-from tasks.spec import PipelineSpec, TargetSpec
+from tasks.spec import PipelineSpec, TargetSpec, registered_model_name
 
 REFRESHED_TAGS = ("status", "decision_reason", "promoted_at")
 
@@ -85,7 +85,7 @@ def promote(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[Candid
         raise PromotionError(f"candidates {unlogged} passed their gates but have no MLflow run_id; "
                              "log them with tracking.log_candidate before promotion")
     by_target = {t.name: [o for o in outcomes if o.candidate.target == t.name and o.passed_gates] for t in spec.targets}
-    names = sorted(tracking.registered_model_name(spec.name, t) for t, passing in by_target.items() if passing)
+    names = sorted(registered_model_name(spec.name, t) for t, passing in by_target.items() if passing)
     undo = _Undo()
     decisions: list[_Decision] = []
     with contextlib.ExitStack() as held:
@@ -109,7 +109,7 @@ def promote(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[Candid
 
 def _engine_ok(spec: PipelineSpec, outcome: CandidateOutcome) -> bool:
     """Check an engine that is about to become a new version; a bad one fails its candidate, alias unmoved."""
-    name = tracking.registered_model_name(spec.name, outcome.candidate.target)
+    name = registered_model_name(spec.name, outcome.candidate.target)
     if _same_engine(name, outcome):
         return True  # checked when it was registered; the registry's copy is what deploys fetch
     try:
@@ -132,7 +132,7 @@ def _engine_ok(spec: PipelineSpec, outcome: CandidateOutcome) -> bool:
 
 def _promote_target(spec: PipelineSpec, target: TargetSpec, passing: list[CandidateOutcome],
                     undo: _Undo) -> list[_Decision]:
-    name = tracking.registered_model_name(spec.name, target.name)
+    name = registered_model_name(spec.name, target.name)
     alias = spec.promotion.alias
     tags = _model_tags(spec, target)
     before = tracking.ensure_registered_model(name, _description(spec, target), tags)

@@ -155,20 +155,31 @@ def test_prefect_deploy_all_registers_the_generated_file_without_warnings(prefec
     write_pipelines(project, tiny_bert_dir, "feature-extraction", name="enc",
                     schedule={"cron": "0 3 * * *", "timezone": "UTC"})
     env = project_env(PREFECT_API_URL=prefect_api_server, PREFECT_HOME=str(tmp_path / "home"))
-    for args in (["deploy", "--pools"], ["deploy", "--prefect-yaml", "prefect.yaml"]):
-        done = subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, cwd=project, capture_output=True,
-                              text=True, timeout=300)
-        assert done.returncode == 0, done.stdout + done.stderr
-    assert "schedules: []" not in (project / "prefect.yaml").read_text()
+    pools_before = _names(prefect_api_server, "work_pools")
+    try:
+        for args in (["deploy", "--pools"], ["deploy", "--prefect-yaml", "prefect.yaml"]):
+            done = subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, cwd=project,
+                                  capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stdout + done.stderr
+        assert "schedules: []" not in (project / "prefect.yaml").read_text()
 
-    deployed = subprocess.run([cli("prefect"), "--no-prompt", "deploy", "--all"], env=env, cwd=project,
-                              capture_output=True, text=True, timeout=300)
+        deployed = subprocess.run([cli("prefect"), "--no-prompt", "deploy", "--all"], env=env, cwd=project,
+                                  capture_output=True, text=True, timeout=300)
 
-    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-    assert "Warning" not in deployed.stdout + deployed.stderr, deployed.stdout + deployed.stderr
-    found = httpx.post(f"{prefect_api_server}/deployments/filter", json={}, timeout=10).json()
-    schedules = {d["name"]: [s["schedule"].get("cron") for s in d["schedules"]] for d in found}
-    assert schedules == {"nightly": [], "enc": ["0 3 * * *"]}
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        assert "Warning" not in deployed.stdout + deployed.stderr, deployed.stdout + deployed.stderr
+        found = httpx.post(f"{prefect_api_server}/deployments/filter", json={}, timeout=10).json()
+        schedules = {d["name"]: [s["schedule"].get("cron") for s in d["schedules"]] for d in found}
+        assert schedules == {"nightly": [], "enc": ["0 3 * * *"]}
+    finally:  # the session's server is shared: later tests count its deployments and pools
+        for deployment in httpx.post(f"{prefect_api_server}/deployments/filter", json={}, timeout=10).json():
+            httpx.delete(f"{prefect_api_server}/deployments/{deployment['id']}", timeout=10)
+        for pool in _names(prefect_api_server, "work_pools") - pools_before:
+            httpx.delete(f"{prefect_api_server}/work_pools/{pool}", timeout=10)
+
+
+def _names(api: str, what: str) -> set[str]:
+    return {item["name"] for item in httpx.post(f"{api}/{what}/filter", json={}, timeout=10).json()}
 
 
 def _dockerignore() -> list[str]:

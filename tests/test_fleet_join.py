@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from mlflow.tracking import MlflowClient
 
 from tasks import gates, tracking
 from tasks.metrics import stage_metrics
@@ -68,7 +69,7 @@ def test_the_parent_judges_a_candidate_from_its_mlflow_run_alone(tmp_path: Path)
 
     failed = joined[broken.candidate.name]
     assert (failed.status, failed.failed_stage, failed.error) == ("failed", "build", broken.error)
-    tags = tracking.MlflowClient().get_run(ids[built.candidate.name]).data.tags
+    tags = MlflowClient().get_run(ids[built.candidate.name]).data.tags
     assert tags["gate"] == "pending" and tags["fleet.pool"] == "gpu-x"
 
 
@@ -173,5 +174,5 @@ def test_a_pool_that_cannot_build_fails_its_candidates_and_the_rest_is_promoted(
                                          "register it with `smelter deploy --pools`")
     assert summaries["far"]["mlflow_run_id"] is None
     assert summaries["cpu"]["status"] == "promoted" and summaries["cpu"]["model_version"] == "1"
-    tags = tracking.MlflowClient().get_run(summaries["cpu"]["mlflow_run_id"]).data.tags
+    tags = MlflowClient().get_run(summaries["cpu"]["mlflow_run_id"]).data.tags
     assert tags["gate"] == "passed" and tags["status"] == "promoted" and tags["fleet.host"]

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from tasks import notify, tracking
 from tasks.metrics import stage_metrics
 from tasks.outcome import CandidateOutcome
+from tasks.redact import redacted_url
 from tasks.promote import promote
 from tasks.spec import PipelineSpec, WebhookSpec
 from tasks.store import ArtifactStore
@@ -173,7 +174,7 @@ def test_secret_and_full_webhook_url_are_never_written_to_mlflow(webhook_receive
     retried = notify.retry_pending(spec, backoff_s=0.01)
     assert [r["status"] for r in retried] == ["delivered"] and len(webhook_receiver.events) == 1
 
-    redacted = tracking.redacted_url(webhook_receiver.url)
+    redacted = redacted_url(webhook_receiver.url)
     assert redacted.startswith(f"http://127.0.0.1:{webhook_receiver.port}/…#")
     assert [d["url"] for d in pending + retried] == [redacted, redacted]
     assert pending[0]["last_error"] == f"HTTP 503 from {redacted}"
@@ -259,7 +260,7 @@ def test_events_recorded_in_the_earlier_per_field_tags_are_still_delivered_with_
     tracking.delete_version_tag(name, version, notify.EVENTS_TAG)
     body = json.dumps({"event": "engine.promoted", "version": version, "delivery_id": "legacy-id-1"})
     tracking.set_version_tags(name, version, {
-        "smelter.notify.0.url": tracking.redacted_url(webhook_receiver.url), "smelter.notify.0.status": "pending",
+        "smelter.notify.0.url": redacted_url(webhook_receiver.url), "smelter.notify.0.status": "pending",
         "smelter.notify.0.attempts": "3", "smelter.notify.0.last_error": "HTTP 503", "smelter.notify.0.event": body,
         "smelter.notify.pending": "true"})
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import subprocess
 import sys
@@ -138,6 +139,12 @@ def test_inside_a_flow_run_a_line_reaches_the_console_once(prefect_server: None,
     def outer() -> None:
         inner()
 
-    outer()
+    prefect_logger = logging.getLogger("prefect")
+    level = prefect_logger.level
+    prefect_logger.setLevel(logging.INFO)  # as a worker has it (an in-process `smelter run` before quiets it)
+    try:
+        outer()
+    finally:
+        prefect_logger.setLevel(level)
     lines = [line for line in capfd.readouterr().err.splitlines() if "enc/fp32/cpu" in line]
     assert len(lines) == 1, lines

@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from tasks import tracking
 from tasks.outcome import CandidateOutcome, Decision
+from tasks.spec import registered_model_name
 from tasks.store import ArtifactStore
 from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
 
@@ -59,7 +60,7 @@ def test_model_version_carries_the_engine_signature(tmp_path: Path) -> None:
     outcome = with_export(store, candidate_outcome(store, spec, "int8", "cpu", throughput=300.0))
     with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
         child_id = tracking.log_candidate(parent_id, spec, outcome)
-    name = tracking.registered_model_name(spec.name, "cpu")
+    name = registered_model_name(spec.name, "cpu")
     tracking.ensure_registered_model(name, "engines", {})
     version = tracking.create_version(name, child_id, {"candidate": outcome.candidate.name})
 

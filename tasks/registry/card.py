@@ -1,0 +1,104 @@
+"""The engine card: the one page someone deciding on a deploy reads first, on each candidate's run.
+
+Markdown (`engine_card.md`), and HTML with the run's summary figure inside, since the MLflow UI shows
+.md files as text. Its key-metrics section is dated, and rewritten when a quieter re-measurement
+replaces a registered version's figures.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+
+import mlflow
+from mlflow.exceptions import MlflowException
+
+from tasks.metrics import key_metrics, stage_metrics
+from tasks.outcome import CandidateOutcome
+from tasks.registry.client import _client
+from tasks.registry.runs import (DESCRIPTION_TAG, MAX_TAG_CHARS, SUMMARY_FIGURE, _log_bytes, candidate_description,
+                                 candidate_tags)
+from tasks.registry.versions import measured_sentence, measurement
+from tasks.spec import PipelineSpec
+
+ENGINE_CARD = "engine_card.md"
+
+
+def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str, float],
+                figure: str | None = None) -> str:
+    """A one-page summary someone deciding on a deploy reads before anything else; `figure`: the image
+    (a path or a data: URI) of the run's summary figure, shown under the verdict."""
+    tags = candidate_tags(spec, outcome)
+    lines = [f"# {outcome.candidate.name}", "",
+             f"Status: **{outcome.status}**, gates {tags['gate']}", "", f"Why: {outcome.reason}", ""]
+    if figure:
+        lines += [f"![every candidate of this run: speedup vs PyTorch, gate, champion]({figure})", ""]
+    if outcome.model_version:
+        lines += [f"Registry: `{outcome.model_name}` version {outcome.model_version}", ""]
+    if outcome.error:
+        lines += [f"Error in stage `{outcome.failed_stage}`: {outcome.error}", ""]
+    lines += ["## Gates", "", "| gate | passed | reasons |", "|---|---|---|"]
+    lines += [f"| {g.gate} | {'yes' if g.passed else 'no'} | {'; '.join(g.reasons)} |" for g in outcome.gates]
+    lines += ["", *metrics_section(key_metrics(metrics), measurement(outcome))]
+    lines += ["", "## Identity", "", "| key | value |", "|---|---|"]
+    lines += [f"| {k} | {tags[k]} |" for k in ("model", "precision", "target", "arch", "backend",
+                                               "backend_version", "cache_key") if k in tags]
+    lines += [f"| stage {name} | {stage.key} |" for name, stage in outcome.stages.items()]
+    return "\n".join(lines) + "\n"
+
+
+def metrics_section(metrics: dict[str, float], measured: dict[str, str]) -> list[str]:
+    """The engine card's key metrics, dated: the part a re-measurement rewrites on a registered version's card."""
+    lines = ["## Key metrics", ""] + ([measured_sentence(measured), ""] if measured else [])
+    return lines + ["| metric | value |", "|---|---|"] + [f"| {k} | {v:.6g} |" for k, v in sorted(metrics.items())]
+
+
+def replace_card_metrics(run_id: str, section: list[str]) -> str | None:
+    """Put `section` in place of the key metrics of the run's engine card; returns the card as it was, or None
+    (and changes nothing) when the run has no card with that section."""
+    try:
+        before = mlflow.artifacts.load_text(f"runs:/{run_id}/{ENGINE_CARD}")
+    except (MlflowException, OSError):
+        return None
+    start = before.find("\n## Key metrics\n")
+    if start < 0:
+        return None
+    end = before.find("\n## ", start + 1)
+    _client().log_text(run_id, before[:start + 1] + "\n".join(section) + "\n" + (before[end:] if end >= 0 else ""),
+                       ENGINE_CARD)
+    return before
+
+
+def restore_card(run_id: str, text: str) -> None:
+    _client().log_text(run_id, text, ENGINE_CARD)
+
+
+def finish_candidate(run_id: str, spec: PipelineSpec, outcome: CandidateOutcome, figure: bytes | None = None) -> None:
+    """Record what was decided on the candidate's run: final status, the reason, the engine card (as
+    markdown, and as HTML with the run's summary figure `figure` inside, which the UI shows as a page)."""
+    tags = {"status": outcome.status, "decision_reason": outcome.reason[:MAX_TAG_CHARS],
+            DESCRIPTION_TAG: candidate_description(outcome)}
+    if outcome.model_name:
+        tags |= {"registered_model": outcome.model_name, "model_version": str(outcome.model_version)}
+    client = _client()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    metrics = stage_metrics(outcome.stages)
+    client.log_text(run_id, engine_card(spec, outcome, metrics, SUMMARY_FIGURE if figure else None),
+                    "engine_card.md")
+    if figure:
+        _log_bytes(client, run_id, figure, SUMMARY_FIGURE)
+        embedded = f"data:image/png;base64,{base64.b64encode(figure).decode()}"
+        client.log_text(run_id, _html(outcome.candidate.name, engine_card(spec, outcome, metrics, embedded)),
+                        "engine_card.html")
+
+
+def _html(title: str, markdown: str) -> str:
+    """A markdown card as a page the MLflow UI shows as such (it shows .md files as text)."""
+    from markdown_it import MarkdownIt
+
+    body = MarkdownIt("commonmark").enable("table").render(markdown)
+    style = ("body{font-family:sans-serif;max-width:60em;margin:1em}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:2px 8px}img{max-width:100%}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body>{body}</body></html>")

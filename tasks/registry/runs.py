@@ -1,0 +1,270 @@
+"""MLflow runs: one experiment per pipeline, a parent run per pipeline run, a child run per candidate.
+
+Tag, param and metric names are fixed here so the MLflow compare view lines up run after run; a run
+left RUNNING by a process that died is closed as KILLED the next time its pipeline runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import platform
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from mlflow.entities import Param
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from tasks import killpoints
+from tasks.holder import Holder, machine_id
+from tasks.outcome import CandidateOutcome
+from tasks.redact import redacted_url
+from tasks.registry.client import _client, tracking_server
+from tasks.spec import PipelineSpec
+from tasks.store import StageResult
+
+MAX_PARAM_CHARS = 6000
+MAX_TAG_CHARS = 8000
+HEADLINE_PREFIX = "_"  # sorts before every other metric name in MLflow's run table and compare view
+DESCRIPTION_TAG = "mlflow.note.content"  # what the MLflow UI shows as a run's description
+# MLflow 3's UI opens an experiment by its kind: without it a smelter experiment opens on GenAI traces
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+OWNER_TAG = "smelter.owner"  # "<host> <pid> <process start>": who may still be writing a RUNNING run
+# MLflow 3.17's UI picks an experiment's page by its GenAI / Model training switch (default GenAI: traces),
+# not by the experiment's kind tag; this query selects runs, and the UI remembers it
+UI_TRAINING_VIEW = "workflowType=machine_learning"
+SUMMARY_FIGURE = "summary.png"  # speedup of every candidate of a run, on the parent run and each engine card
+
+
+def owner_tag() -> str:
+    """`host pid start machine`: the process that owns a run, as `_owner_gone` checks it."""
+    me = Holder.current()
+    return f"{me.host} {me.pid} {me.start} {me.machine}"
+
+
+def _owner_gone(owner: str) -> bool:
+    """True only when the owner ran on this host and that process no longer exists (a tag without the
+    machine field, from an earlier version, counts as this host's when its host name is this one's)."""
+    fields = owner.split(" ")
+    if len(fields) == 3 and fields[0] == socket.gethostname():
+        fields.append(machine_id())
+    if len(fields) != 4 or not fields[1].isdigit():
+        return False
+    host, pid, start, machine = fields
+    return Holder(host, machine, int(pid), start).gone()
+
+
+def close_stale_runs(pipeline: str) -> list[str]:
+    """Mark as KILLED this pipeline's RUNNING runs whose owning process is gone (a killed run); returns their ids."""
+    client = _client()
+    found = client.get_experiment_by_name(experiment_name(pipeline))
+    if found is None:
+        return []
+    closed = []
+    for run in client.search_runs([found.experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                  max_results=1000):
+        if _owner_gone(run.data.tags.get(OWNER_TAG, "")):
+            client.set_terminated(run.info.run_id, "KILLED")
+            closed.append(run.info.run_id)
+    return closed
+
+
+def experiment_name(pipeline: str) -> str:
+    return f"smelter/{pipeline}"
+
+
+def _experiment_id(client: MlflowClient, pipeline: str) -> str:
+    """The pipeline's experiment, created on first use (tolerating a concurrent creator)."""
+    name = experiment_name(pipeline)
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        if EXPERIMENT_KIND_TAG not in found.tags:  # made by an older smelter
+            client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        return found.experiment_id
+    try:
+        return client.create_experiment(name, tags={"pipeline": pipeline, EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _model_tag(spec: PipelineSpec) -> str:
+    return spec.model.id or spec.model.path or ""
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    """Nested config as dotted MLflow params; lists stay whole (as JSON) so a param is one setting."""
+    if isinstance(value, dict):
+        flat: dict[str, str] = {}
+        for key, inner in value.items():
+            flat |= flatten(inner, f"{prefix}.{key}" if prefix else str(key))
+        return flat
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return {prefix: text[:MAX_PARAM_CHARS]}
+
+
+@contextlib.contextmanager
+def pipeline_run(spec: PipelineSpec, run_name: str, params: dict[str, Any]) -> Iterator[str]:
+    """One parent run per pipeline run; candidates nest under the yielded run id.
+
+    The run is not made the thread's active run, so candidates may be logged from any thread
+    (Prefect task runners) or process. It ends FINISHED, or FAILED when the body raises.
+    """
+    client = _client()
+    close_stale_runs(spec.name)
+    tags = {"model": _model_tag(spec), "pipeline": spec.name, OWNER_TAG: owner_tag()}
+    run_id = client.create_run(_experiment_id(client, spec.name), run_name=run_name, tags=tags).info.run_id
+    killpoints.reach("run.started")
+    status = "FAILED"
+    try:
+        config = spec.model_dump(mode="json")
+        for hook in config["promotion"]["webhooks"]:
+            hook["url"] = redacted_url(hook["url"])
+        flat = flatten(config) | flatten(params)
+        client.log_batch(run_id, params=[Param(k, v) for k, v in flat.items()])
+        yield run_id
+        status = "FINISHED"
+        killpoints.reach("run.finishing")
+    except BaseException as e:
+        status = _ended_by(e)
+        raise
+    finally:
+        client.set_terminated(run_id, status)
+
+
+def _ended_by(error: BaseException) -> str:
+    """The status of a run a body left by raising: KILLED when the user stopped it (Ctrl-C, SIGTERM)."""
+    return "FAILED" if isinstance(error, Exception) else "KILLED"
+
+
+def _arch(spec: PipelineSpec, outcome: CandidateOutcome) -> str:
+    target = spec.target(outcome.candidate.target)
+    if target.gpu_arch:
+        return target.gpu_arch
+    build = outcome.stages.get("build")
+    hardware = build.outputs.get("hardware", {}) if build else {}
+    host = build.manifest.get("host", {}) if build else {}
+    return f"cpu-{hardware.get('machine') or host.get('machine') or platform.machine()}"
+
+
+def candidate_tags(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, str]:
+    candidate = outcome.candidate
+    target = spec.target(candidate.target)
+    build = outcome.stages.get("build")
+    tags = {
+        "candidate": candidate.name, "pipeline": candidate.pipeline, "model": _model_tag(spec),
+        "precision": candidate.precision, "target": candidate.target, "arch": _arch(spec, outcome),
+        "backend": build.outputs.get("backend", target.backend) if build else target.backend,
+        "gate": "passed" if outcome.passed_gates else "pending" if outcome.status == "passed" and not outcome.gates
+        else "failed",
+        "gate_reasons": "; ".join(outcome.gate_reasons), "status": outcome.status,
+        "rebuilt": ",".join(name for name, stage in outcome.stages.items() if not stage.cached) or "none",
+    }
+    if build:
+        tags |= {"backend_version": str(build.outputs.get("backend_version", "")), "cache_key": build.key}
+    if (benchmark := outcome.stages.get("benchmark")) and (host := benchmark.outputs.get("host")):
+        tags |= {"bench.cpu": str(host.get("cpu")), "bench.contended": str(host.get("contended")).lower(),
+                 "bench.load": f"{host.get('load_start')} -> {host.get('load_end')}",
+                 "bench.foreign_cpu_share": str(host.get("foreign_cpu_share"))}
+    if outcome.error:
+        tags |= {"error": outcome.error, "failed_stage": outcome.failed_stage or ""}
+    return {k: v[:MAX_TAG_CHARS] for k, v in tags.items()}
+
+
+def candidate_params(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, str]:
+    """Precision and target config: what differs between sibling candidates in the compare view."""
+    precision: dict[str, Any] = {"name": outcome.candidate.precision}
+    if outcome.candidate.precision == "int8":
+        precision |= {"quantization": spec.quantization.model_dump(mode="json")}
+    if spec.calibrated(outcome.candidate):
+        precision |= {"calibration": spec.calibration.model_dump(mode="json")}
+    target = spec.target(outcome.candidate.target).model_dump(mode="json")
+    return flatten({"precision": precision, "target": target})
+
+
+def _log_bytes(client: MlflowClient, run_id: str, data: bytes, name: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="smelter-artifact-") as tmp:
+        (Path(tmp) / name).write_bytes(data)
+        client.log_artifact(run_id, str(Path(tmp) / name))
+
+
+def log_summary_figure(parent_run_id: str, figure: bytes) -> None:
+    """The run's summary figure (tasks/summary_figure.py) on the parent run, where the decision is read."""
+    _log_bytes(_client(), parent_run_id, figure, SUMMARY_FIGURE)
+
+
+def rounded(metrics: dict[str, float]) -> dict[str, float]:
+    """Metrics as MLflow shows them: 4 significant digits, more than any timing here resolves (17 digits
+    in the UI only hide the number); accuracy keeps 6, so a cosine of 0.99996 does not read as 1; whole
+    numbers (bytes, counts) stay whole."""
+    speed = {f"{HEADLINE_PREFIX}{short}" for short in ("speedup", "throughput", "p99_ms", "engine_mb")}
+
+    def digits(name: str) -> int:  # the headline copies of accuracy metrics are `_<metric>`
+        return 6 if name.startswith("accuracy.") or name.startswith(HEADLINE_PREFIX) and name not in speed else 4
+
+    return {k: v if not math.isfinite(v) or v == int(v) else float(f"{v:.{digits(k)}g}") for k, v in metrics.items()}
+
+
+def candidate_description(outcome: CandidateOutcome) -> str:
+    """The child run's description in the MLflow UI: its status and why, the first thing a reader wants."""
+    text = f"**{outcome.status}**" + (f": {outcome.reason}" if outcome.reason else "")
+    if outcome.model_version:
+        text += f"\n\nRegistered as `{outcome.model_name}` version {outcome.model_version}."
+    return text[:MAX_TAG_CHARS]
+
+
+def log_directory(run_id: str, local_dir: Path, artifact_path: str) -> None:
+    """Attach a directory written after the run was logged (e.g. a Triton package) to that run."""
+    _client().log_artifacts(run_id, str(local_dir), artifact_path)
+
+
+def run_metrics(run_id: str) -> dict[str, float]:
+    return dict(_client().get_run(run_id).data.metrics)
+
+
+def run_url(run_id: str) -> str:
+    """Where a run opens in the MLflow UI: on the tracking server, or on `mlflow ui`'s default address
+    when the client writes a store directly; in the UI's model-training view (UI_TRAINING_VIEW)."""
+    experiment_id = _client().get_run(run_id).info.experiment_id
+    server = urlsplit(tracking_server() or "http://127.0.0.1:5000")
+    base = f"{server.scheme}://{server.netloc.rpartition('@')[2]}{server.path}".rstrip("/")  # no user:password
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
+
+
+def headline_metrics(spec: PipelineSpec, metrics: dict[str, float]) -> dict[str, float]:
+    """A handful of copies named to sort first: speedup, throughput, p99, the gated accuracy, engine size."""
+    picks = {"speedup": "speedup_vs_reference", "throughput": "throughput", "p99_ms": "p99_ms"}
+    gated = list(spec.accuracy.gates) or sorted(k.removeprefix("accuracy.") for k in metrics
+                                                if k.startswith("accuracy."))[:1]
+    picks |= {name: f"accuracy.{name}" for name in gated}
+    headline = {f"{HEADLINE_PREFIX}{short}": metrics[name] for short, name in picks.items() if name in metrics}
+    if "engine_bytes" in metrics:
+        headline[f"{HEADLINE_PREFIX}engine_mb"] = metrics["engine_bytes"] / 1e6
+    return headline
+
+
+def stage_seconds(stages: dict[str, StageResult]) -> dict[str, float]:
+    """Seconds this run spent in each stage: what producing it took, or 0 for a reused output."""
+    return {f"stage_seconds.{name}": 0.0 if stage.cached else float(stage.manifest.get("seconds", 0.0))
+            for name, stage in stages.items()}
+
+
+def describe_pipeline_run(parent_run_id: str, outcomes: list[CandidateOutcome]) -> None:
+    """The parent run's description: what was decided for each candidate and why, and whether
+    anything was rebuilt (tag `rebuilt`: an unchanged nightly says false)."""
+    lines = ["| candidate | status | version | reason |", "|---|---|---|---|"]
+    for o in outcomes:
+        lines.append(f"| {o.candidate.name} | {o.status} | {o.model_version or '-'} | {o.reason.replace('|', '/')} |")
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("promoted", "passed", "rejected", "failed")}
+    head = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no candidates"
+    rebuilt = any(not stage.cached for o in outcomes for stage in o.stages.values())
+    client = _client()
+    client.set_tag(parent_run_id, DESCRIPTION_TAG, f"{head}.\n\n" + "\n".join(lines))
+    client.set_tag(parent_run_id, "rebuilt", str(rebuilt).lower())
