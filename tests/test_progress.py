@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 import subprocess
 import sys
@@ -126,25 +125,30 @@ def test_on_a_terminal_a_live_line_follows_the_running_benchmark(tmp_path: Path)
     assert last.startswith("\x1b[2K✔ enc/cpu") and "benchmark" in last and "done" in last, repr(last)
 
 
-def test_inside_a_flow_run_a_line_reaches_the_console_once(prefect_server: None, capfd: pytest.CaptureFixture[str]) -> None:
-    """A worker's output: Prefect's console handler prints the run logger's line; smelter adds no copy,
-    in a subflow too (a deployed pipeline runs as one)."""
+IN_A_WORKER = textwrap.dedent("""
     from prefect import flow
 
+    from flows import progress
+
     @flow(name="progress-inner")
-    def inner() -> None:
+    def inner():
         progress.stage_done("enc/fp32/cpu", "build", cached=True)
 
     @flow(name="progress-outer")
-    def outer() -> None:
+    def outer():
         inner()
 
-    prefect_logger = logging.getLogger("prefect")
-    level = prefect_logger.level
-    prefect_logger.setLevel(logging.INFO)  # as a worker has it (an in-process `smelter run` before quiets it)
-    try:
-        outer()
-    finally:
-        prefect_logger.setLevel(level)
-    lines = [line for line in capfd.readouterr().err.splitlines() if "enc/fp32/cpu" in line]
+    outer()
+""")
+
+
+def test_inside_a_flow_run_a_line_reaches_the_console_once(prefect_server: None) -> None:
+    """A worker's output: Prefect's console handler prints the run logger's line; smelter adds no copy,
+    in a subflow too (a deployed pipeline runs as one). In a process of its own, as a worker's flow run is."""
+    from prefect.settings import PREFECT_API_URL
+
+    done = subprocess.run([sys.executable, "-c", IN_A_WORKER], capture_output=True, text=True, timeout=180,
+                          env=project_env(PREFECT_API_URL=PREFECT_API_URL.value()))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if "enc/fp32/cpu" in line]
     assert len(lines) == 1, lines
