@@ -15,6 +15,7 @@ import functools
 import os
 import tempfile
 import traceback
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -114,19 +115,61 @@ def gate_task(spec: PipelineSpec, outcome: CandidateOutcome, previous: dict[str,
     return outcome
 
 
-def _judge_and_track(spec: PipelineSpec, outcome: CandidateOutcome) -> CandidateOutcome:
+@dataclass
+class _Judging:
+    """The judge half's state as the graph's judging steps (tasks/graph.py `judge_steps`) run in order."""
+
+    spec: PipelineSpec
+    outcomes: list[CandidateOutcome]
+    champions: dict[str, Champion | None]
+    deliveries: list[dict[str, Any]] = field(default_factory=list)
+    blocked: set[graph.Ref] = field(default_factory=set)  # steps that failed: what needs them does not run
+
+    def replace(self, outcome: CandidateOutcome) -> None:
+        self.outcomes = [outcome if o.candidate.name == outcome.candidate.name else o for o in self.outcomes]
+
+
+def _gate(judged: _Judging, step: graph.Step) -> None:
     """Gate (unless a stage failed) a candidate its build already logged, and record the verdict on its
     run; tasks hand back new objects, so keep what they return."""
-    name = outcome.candidate.name
+    outcome = next(o for o in judged.outcomes if o.candidate.name == step.node)
+    if not outcome.run_id:
+        return
     if outcome.status != "failed":
-        previous = tracking.previous_version(spec, outcome.candidate.target, outcome.candidate.precision,
+        previous = tracking.previous_version(judged.spec, outcome.candidate.target, outcome.candidate.precision,
                                              outcome.cache_key)
-        outcome = gate_task.with_options(task_run_name=f"{name}/gate")(spec, outcome, previous)
+        outcome = gate_task.with_options(task_run_name=f"{step.node}/gate")(judged.spec, outcome, previous)
     try:
         tracking.record_gates(outcome.run_id, outcome)
     except Exception as e:  # noqa: BLE001 - an unrecorded verdict may not be promoted; the others go on
         _fail(outcome, "track", e)
-    return outcome
+    judged.replace(outcome)
+
+
+def _promote(judged: _Judging, step: graph.Step) -> None:
+    """Decide each target's champion and move the aliases, all or nothing: a failure rolls promotion back,
+    fails the candidates that would have been promoted, and blocks what needs it (package, notify)."""
+    outcomes = decide.decide(judged.spec, judged.outcomes, judged.champions)
+    try:
+        judged.outcomes = promote_task.with_options(task_run_name=f"{step.node}/promote")(judged.spec, outcomes)
+    except Exception as e:  # noqa: BLE001 - promotion rolled back: its candidates failed, the alias did not move
+        judged.blocked.add(step.ref)
+        for outcome in outcomes:
+            if outcome.status == "passed":
+                _fail(outcome, "promote", e)
+
+
+def _package(judged: _Judging, step: graph.Step) -> None:
+    _after_promotion(judged, step, package_task)
+
+
+def _notify(judged: _Judging, step: graph.Step) -> None:
+    judged.deliveries = _after_promotion(judged, step, notify_task) or []
+    events.announce_promotions(judged.outcomes)
+
+
+JUDGES = {"gate": _gate, "promote": _promote, "package": _package, "notify": _notify}
+"""How the flow runs each judging stage of the graph."""
 
 
 @task(name="track", cache_policy=NO_CACHE, persist_result=False)
@@ -298,19 +341,11 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
         build_parameters = {"file": file, "pipeline": pipeline, "precisions": precisions, "force": force,
                             "artifacts": artifacts, "allow_outside_paths": allow_outside_paths}
         missing = _build_everywhere(specs, spec, chosen, parent_run_id, build_parameters, pool)
-        outcomes = _joined(spec, candidates, parent_run_id, store, missing)
-        outcomes = [_judge_and_track(spec, o) if o.run_id else o for o in outcomes]
-        outcomes = decide.decide(spec, outcomes, champions)
-        deliveries: list[dict[str, Any]] = []
-        try:
-            outcomes = promote_task.with_options(task_run_name=f"{pipeline}/promote")(spec, outcomes)
-        except Exception as e:  # noqa: BLE001 - promotion rolled back: its candidates failed, the alias did not move
-            for outcome in outcomes:
-                if outcome.status == "passed":
-                    _fail(outcome, "promote", e)
-        else:
-            deliveries = _after_promotion(spec, outcomes)
-            events.announce_promotions(outcomes)
+        judged = _Judging(spec, _joined(spec, candidates, parent_run_id, store, missing), champions)
+        for step in graph.judge_steps(spec, candidates):
+            if not judged.blocked.intersection(step.needs):
+                JUDGES[step.stage](judged, step)
+        outcomes, deliveries = judged.outcomes, judged.deliveries
         figure = _summary_figure(spec, outcomes, parent_run_id)
         for outcome in outcomes:
             if outcome.run_id:
@@ -385,23 +420,19 @@ def _run_link(run_id: str | None) -> str:
         return ""
 
 
-def _after_promotion(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[dict[str, Any]]:
-    """Package and announce; returns the webhook deliveries. The alias has moved by now, so a failure here
-    is reported on the promoted candidates without undoing their promotion; an unsent event stays
-    pending for the next run or `smelter notify --retry`."""
-    deliveries: list[dict[str, Any]] = []
-    for stage, stage_task in (("package", package_task), ("notify", notify_task)):
-        try:
-            done = stage_task.with_options(task_run_name=f"{spec.name}/{stage}")(spec, outcomes)
-            if stage == "notify":
-                deliveries = done
-        except Exception as e:  # noqa: BLE001 - see the docstring
-            progress.stage_failed("promotion", stage, f"{type(e).__name__}: {e}")
-            for outcome in outcomes:
-                if outcome.status == "promoted":
-                    outcome.failed_stage = stage
-                    outcome.error = f"{stage} failed after promotion: {type(e).__name__}: {e}"
-    return deliveries
+def _after_promotion(judged: _Judging, step: graph.Step, stage_task: Any) -> Any:
+    """Package or notify; returns what the task returned (None when it failed). The alias has moved by
+    now, so a failure here is reported on the promoted candidates without undoing their promotion; an
+    unsent event stays pending for the next run or `smelter notify --retry`."""
+    try:
+        return stage_task.with_options(task_run_name=f"{step.node}/{step.stage}")(judged.spec, judged.outcomes)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        progress.stage_failed("promotion", step.stage, f"{type(e).__name__}: {e}")
+        for outcome in judged.outcomes:
+            if outcome.status == "promoted":
+                outcome.failed_stage = step.stage
+                outcome.error = f"{step.stage} failed after promotion: {type(e).__name__}: {e}"
+        return None
 
 
 def _fail(outcome: CandidateOutcome, stage: str, error: Exception) -> None:

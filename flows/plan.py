@@ -5,6 +5,7 @@ A key is known only when its upstream is built (later keys hash upstream outputs
 below a stage that must run is itself to-run. A target's benchmark measures all its candidates
 and the champion together, so its key also depends on the registry's champion. Plan verifies
 what it finds as a run does, but moves nothing: a damaged output shows as to-run, with why.
+The judging steps (gate, promote, package, notify) have no key: they run `always`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def pipeline_rows(spec: PipelineSpec, store: ArtifactStore,
         if why:
             if step.stage != "benchmark":
                 yield _row(step, "blocked", None, why)
+            continue
+        if step.judges:
+            yield _row(step, "always", None, f"reads {step.reads}")
             continue
         if any(ref not in found for ref in step.needs):
             yield _row(step, "to-run", None)

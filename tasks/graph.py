@@ -4,6 +4,12 @@ A candidate's chain depends on where its backend builds from (tasks/backends/tab
 `onnx` backend builds from the precision stage's graph, so its chain is export → validate →
 precision → build → accuracy; a `torch` backend (Inductor) builds from the model's own files, so
 its chain is build → accuracy. A target's benchmark then measures all its built candidates.
+
+Then the judging steps, which produce no artifact and so have no key: they run on every run, since
+what they decide depends on the registry as it is now. Each candidate's gate (its accuracy and its
+target's benchmark, against the previous registered version), the pipeline's promote (every gate:
+each target's champion is chosen among its candidates, and its alias moves), package (Triton
+entries of promoted plans, where a target's backend builds them) and notify (the promotions' webhooks).
 """
 
 from __future__ import annotations
@@ -33,15 +39,22 @@ class Step:
         stage: the stage it runs.
         node: what it is for (pipeline, pipeline/precision, candidate or pipeline/target).
         needs: the outputs it is computed from, in the order `work` takes them.
-        work: the stage's description of this output, given the outputs it needs.
+        work: the stage's description of this output, given the outputs it needs; None for a judging
+            step, which produces no artifact and runs every time.
         target: the target it runs for (build, accuracy, benchmark), whose backend may be missing here.
+        reads: for a judging step, what it decides from (shown by `smelter plan`).
     """
 
     stage: str
     node: str
     needs: tuple[Ref, ...]
-    work: Callable[..., Work]
+    work: Callable[..., Work] | None
     target: str | None = None
+    reads: str = ""
+
+    @property
+    def judges(self) -> bool:
+        return self.work is None
 
     @property
     def ref(self) -> Ref:
@@ -65,8 +78,8 @@ def candidate_steps(spec: PipelineSpec, candidate: Candidate, store: ArtifactSto
         return [built, judged((built.ref,))]
     exported = Step("export", spec.name, (), lambda: export.export_work(spec))
     validated = Step("validate", spec.name, (exported.ref,), lambda e: validate.validate_work(spec, e))
-    precise = Step("precision", f"{spec.name}/{p}", (exported.ref,),
-                   lambda e: precision.precision_work(spec, e, p))
+    precise = Step("precision", f"{spec.name}/{p}", (exported.ref, validated.ref),
+                   lambda e, _validated: precision.precision_work(spec, e, p))
     built = Step("build", label, (precise.ref,), lambda r: build.build_work(spec, t, p, r), target=t)
     return [exported, validated, precise, built, judged((built.ref,))]
 
@@ -94,7 +107,31 @@ def pipeline_steps(spec: PipelineSpec, candidates: list[Candidate],
         names = [c.name for c in candidates if c.target == target]
         step = benchmark_step(spec, target, names, champions.get(target))
         steps[step.ref] = step
-    return list(steps.values())
+    return [*steps.values(), *judge_steps(spec, candidates)]
+
+
+def judge_steps(spec: PipelineSpec, candidates: list[Candidate]) -> list[Step]:
+    """The steps that judge the measured candidates and act on the verdict, in running order."""
+    gates = [Step("gate", c.name, (("accuracy", c.name), ("benchmark", f"{spec.name}/{c.target}")), None, c.target,
+                  "accuracy and benchmark against the gates and the previous registered version")
+             for c in candidates]
+    promoted = Step("promote", spec.name, tuple(g.ref for g in gates), None,
+                    reads=f"the gates and each target's @{spec.promotion.alias} in the registry")
+    steps = [*gates, promoted]
+    if any(_packages_plans(spec, t) for t in dict.fromkeys(c.target for c in candidates)):
+        steps.append(Step("package", spec.name, (promoted.ref,), None, reads="promoted plans: Triton model entries"))
+    hooks = len(spec.promotion.webhooks)
+    steps.append(Step("notify", spec.name, (promoted.ref,), None,
+                      reads=f"the promotions and earlier runs' pending events, for {hooks} webhook{'s' * (hooks != 1)}"))
+    return steps
+
+
+def _packages_plans(spec: PipelineSpec, target_name: str) -> bool:
+    """Whether the target's backend builds plans that Triton serves (so promotion packages them)."""
+    try:
+        return bool(get_backend(spec.target(target_name).backend).triton_plan)
+    except BackendUnavailable:  # a plugin that cannot load here builds nothing here either
+        return False
 
 
 def unavailable(spec: PipelineSpec, target_name: str) -> str | None:
@@ -107,4 +144,5 @@ def unavailable(spec: PipelineSpec, target_name: str) -> str | None:
 
 def call_work(step: Step, outputs: dict[Ref, Any]) -> Work:
     """The step's Work from the outputs it needs (all present)."""
+    assert step.work is not None, f"{step.stage} judges: it has no Work"
     return step.work(*(outputs[ref] for ref in step.needs))

@@ -18,6 +18,7 @@ from tests.test_benchmark import busy_machine  # noqa: F401  (a fixture)
 from tests.test_store import flip
 
 STAGES = ("export", "validate", "precision", "build", "accuracy", "benchmark")
+JUDGING = ("gate", "promote", "notify")  # no key: they run on every run
 
 
 def run_chain(spec: PipelineSpec, store: ArtifactStore) -> dict[str, StageResult]:
@@ -106,7 +107,7 @@ def task_run_refs(pipeline: str) -> dict[tuple[str, str], str]:
     refs = {}
     for run in runs:
         node, _, stage = run.name.rpartition("/")
-        if stage in STAGES and node.split("/")[0] == pipeline:
+        if stage in STAGES + JUDGING and node.split("/")[0] == pipeline:
             refs[(node, stage)] = run.state.name if run.state else "?"
     return refs
 
@@ -144,9 +145,11 @@ def test_plan_lists_the_stages_a_run_executes_with_a_torch_source_target(
     planned = list(pipeline_rows(spec, store))
     rows = {(r["node"], r["stage"]) for r in planned}
     torch_nodes = {f"{name}/fp32/cpu-inductor", f"{name}/bf16/cpu-inductor"}
-    assert {(n, s) for n, s in rows if n in torch_nodes} == {(n, s) for n in torch_nodes for s in ("build", "accuracy")}
+    assert {(n, s) for n, s in rows if n in torch_nodes} == {
+        (n, s) for n in torch_nodes for s in ("build", "accuracy", "gate")}
     assert (f"{name}/bf16", "precision") not in rows, "a torch-source candidate has no ONNX precision stage"
-    assert {s for n, s in rows if n not in torch_nodes} == set(STAGES)
+    assert {s for n, s in rows if n not in torch_nodes} == set(STAGES + JUDGING)
+    assert {r["state"] for r in planned if r["stage"] in JUDGING} == {"always"}
 
     assert main(["run", "--json", "-f", str(path), "--artifacts", str(store.root)]) in (0, 1)
     summary = json.loads(capsys.readouterr().out)
@@ -161,7 +164,7 @@ def test_plan_lists_the_stages_a_run_executes_with_a_torch_source_target(
                 assert candidate["failed_stage"] != "build", candidate["error"]
 
     replanned = {(r["node"], r["stage"]): r for r in pipeline_rows(spec, store)}
-    succeeded = {ref for ref, state in ran.items() if state in ("Completed", "Cached")}
+    succeeded = {ref for ref, state in ran.items() if state in ("Completed", "Cached") and ref[1] in STAGES}
     assert {ref for ref, row in replanned.items() if row["state"] == "cached"} == succeeded
 
     engine = next(c for c in summary["candidates"] if c["candidate"] == f"{name}/fp32/cpu")["stages"]["build"]
@@ -178,3 +181,29 @@ def test_plan_lists_the_stages_a_run_executes_with_a_torch_source_target(
     files = [json.loads((d / "manifest.json").read_text())["files"] for d in (aside, build_dir)]
     assert rerun["stages"]["accuracy"]["cached"] == (files[0] == files[1]), \
         "the engine is judged again exactly when the rebuilt one differs from the one judged before"
+
+
+def test_the_graph_orders_every_stage_by_what_it_reads(pipeline_factory: Callable[..., Path],
+                                                        tiny_bert_dir: Path) -> None:
+    """Precision reads a validated export; each gate its accuracy and its target's benchmark; promote every
+    gate; package (plans only) and notify the promotion. The flow runs each judging stage the graph has."""
+    from flows.pipeline import JUDGES
+
+    path = pipeline_factory(tiny_bert_dir, "feature-extraction", precisions=["fp32", "fp16"], name="order",
+                            targets=[{"name": "cpu", "backend": "onnxruntime"},
+                                     {"name": "h100", "backend": "tensorrt", "arch": "sm90"}])
+    spec = load(path).pipelines["order"]
+    steps = graph.pipeline_steps(spec, spec.candidates())
+    position = {step.ref: i for i, step in enumerate(steps)}
+    assert all(position[need] < position[step.ref] for step in steps for need in step.needs), "running order"
+    needs = {step.ref: set(step.needs) for step in steps}
+    assert ("validate", "order") in needs[("precision", "order/fp16")]
+    gates = {("gate", c.name) for c in spec.candidates()}
+    assert needs[("gate", "order/fp16/h100")] == {("accuracy", "order/fp16/h100"), ("benchmark", "order/h100")}
+    assert needs[("promote", "order")] == gates
+    assert needs[("package", "order")] == needs[("notify", "order")] == {("promote", "order")}
+    assert {s.stage for s in steps if s.judges} == set(JUDGES) and all(s.work is None for s in steps if s.judges)
+
+    cpu_only = load(pipeline_factory(tiny_bert_dir, "feature-extraction", name="cpu-only")).pipelines["cpu-only"]
+    assert "package" not in {s.stage for s in graph.pipeline_steps(cpu_only, cpu_only.candidates())}, \
+        "no target builds Triton plans, so nothing is packaged"
