@@ -31,11 +31,15 @@ plan: setup
 validate: setup
 	$(BIN)/smelter validate
 
+# Tests run in TEST_WORKERS pytest-xdist workers, each with its own servers and stores: most of a test's
+# time is spent waiting on servers and subprocesses, so 4 workers fit 2 cores.
+TEST_WORKERS ?= 4
+
 test: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow"
 
 benchmark: setup
 	$(BIN)/smelter run --pipeline minilm

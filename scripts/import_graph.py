@@ -1,4 +1,5 @@
-"""Check the import graph of tasks/ and flows/: no circle, no upward import, schema within its size.
+"""Check the import graph of tasks/ and flows/: no circle, no upward import, mlflow imported by
+tasks/registry/ alone, schema within its size.
 
 A circle (the schema calling preflight, which imports the schema) makes every module on it load,
 test and change together; `tasks` importing `flows` puts the orchestration under the work it
@@ -17,6 +18,7 @@ from pathlib import Path
 
 PACKAGES = ("tasks", "flows")
 UPWARD = (("tasks", "flows"),)  # (importer, imported): a module of the first may not import the second
+ONLY_FROM = {"mlflow": "tasks.registry"}  # a library only this package may import: the rest goes through it
 BUDGETS = {"tasks/spec.py": 500, "tasks/config/schema.py": 500,  # lines
            "tasks/tracking.py": 100,  # re-exports only: the work is in tasks/registry/
            **{f"tasks/registry/{name}.py": 500 for name in ("__init__", "client", "runs", "versions", "uploads",
@@ -73,6 +75,26 @@ def _imports(tree: ast.AST, name: str, is_package: bool, known: dict[str, Path])
     return found
 
 
+def libraries(tree: ast.AST) -> set[str]:
+    """The top-level names of the absolute imports in `tree`, outside TYPE_CHECKING blocks."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
 def graph(root: Path) -> dict[str, set[str]]:
     known = modules(root)
     return {name: _imports(ast.parse(path.read_text(encoding="utf-8"), str(path)), name,
@@ -125,6 +147,11 @@ def problems(root: Path) -> list[str]:
         found += [f"{name} imports {target}: {importer}/ must not import {imported}/"
                   for name, targets in sorted(edges.items()) if name.split(".")[0] == importer
                   for target in sorted(targets) if target.split(".")[0] == imported]
+    for name, path in sorted(modules(root).items()):
+        used = libraries(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+        found += [f"{name} imports {library}: only {owner} may (the rest goes through it)"
+                  for library, owner in ONLY_FROM.items()
+                  if library in used and name != owner and not name.startswith(owner + ".")]
     for path, limit in BUDGETS.items():
         if (root / path).is_file() and (lines := len((root / path).read_text(encoding="utf-8").splitlines())) > limit:
             found.append(f"{path} has {lines} lines, over its budget of {limit}: split it by concern")

@@ -16,13 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from tasks import killpoints
 from tasks.backends.base import Backend, BackendUnavailable, Runner, get_backend
 from tasks.backends.table import BACKENDS
-from tasks.inputs import decoder_feeds, encoder_feeds, read_texts
-from tasks.models import load_tokenizer, model_source_digest
+from tasks.calibration_feeds import prompt_batches
+from tasks.models import model_source_digest
 from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec, ProfileSpec, TargetSpec
 from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
@@ -64,7 +62,7 @@ def _code(target: TargetSpec, calibrates: bool = False) -> tuple[str, ...]:
     code that makes calibration feeds where the build calibrates: a fix in any of them rebuilds the
     engines it touches."""
     module = BACKENDS[target.backend].module
-    calibration = ("tasks.inputs", "tasks.models") if calibrates else ()
+    calibration = ("tasks.calibration_feeds", "tasks.inputs", "tasks.models") if calibrates else ()
     return CODE + calibration + tuple(sorted({"tasks.backends.base", module, *backend_imports(module)}))
 
 
@@ -116,7 +114,7 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
         started = time.perf_counter()
         if from_torch:
             source_name = "model"
-            calibration = prompt_calibration(spec) if calibrates else None
+            calibration = prompt_batches(spec) if calibrates else None
             facts = backend.build_from_model(spec.model_dir, spec.model.task, precision, target, profiles, w.dir,
                                              calibration=calibration)
         else:
@@ -150,18 +148,6 @@ def torch_upstream(spec: PipelineSpec, target: TargetSpec, precision: str) -> di
         upstream["calibration"] = {**spec.calibration.model_dump(mode="json"),
                                    "data_sha256": file_digest(spec.resolve(spec.calibration.data))}
     return upstream
-
-
-def prompt_calibration(spec: PipelineSpec) -> list[dict[str, np.ndarray]]:
-    """The calibration text as whole-prompt feeds (input_ids, attention_mask), for a build that
-    calibrates the graph it compiles: the precision stage's batching, with no KV cache."""
-    calib, names = spec.calibration, ["input_ids", "attention_mask"]
-    texts = read_texts(spec.resolve(calib.data), limit=calib.samples)
-    tokenizer = load_tokenizer(spec)
-    chunks = [texts[start:start + calib.batch_size] for start in range(0, len(texts), calib.batch_size)]
-    if spec.model.is_decoder:
-        return [decoder_feeds(tokenizer, None, chunk, len(chunk), calib.seq_len, 0, names) for chunk in chunks]
-    return [encoder_feeds(tokenizer, chunk, len(chunk), calib.seq_len, names) for chunk in chunks]
 
 
 def run_build(spec: PipelineSpec, precision_result: StageResult | None, target_name: str, store: ArtifactStore,

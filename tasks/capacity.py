@@ -128,6 +128,20 @@ class CapacityPlan:
         return asdict(self)
 
 
+def limit_problems(workload: Workload, limits: Limits) -> list[str]:
+    """Where the mix is beyond what the engine's profiles accept: a prompt longer than a call's new tokens, or
+    prompt + answer longer than its context. The same words for `smelter capacity` and `smelter validate`."""
+    context = workload.prompt + workload.answer
+    problems = []
+    if limits.max_prompt is not None and workload.prompt > limits.max_prompt:
+        problems.append(f"a prompt of {workload.prompt} tokens is beyond the engine's profile "
+                        f"(at most {limits.max_prompt} new tokens per call)")
+    if limits.max_context is not None and context > limits.max_context:
+        problems.append(f"prompt + answer = {context} tokens is beyond the engine's profile "
+                        f"(at most {limits.max_context} tokens of context)")
+    return problems
+
+
 def plan(figures: Figures, workload: Workload, limits: Limits = Limits()) -> CapacityPlan:
     """The GPUs (and hosts) that serve `workload` with this engine; gpus is None when no measured batch meets the SLO."""
     problems = workload.problems()
@@ -135,14 +149,10 @@ def plan(figures: Figures, workload: Workload, limits: Limits = Limits()) -> Cap
         raise ValueError("capacity: " + "; ".join(problems))
     if not figures.prefill or not figures.decode:
         raise FiguresError(f"{figures.source}: expected at least one prefill and one decode figure")
+    beyond = limit_problems(workload, limits)
+    if beyond:
+        raise ValueError(f"capacity: {beyond[0]}")
     warnings = []
-    context = workload.prompt + workload.answer
-    if limits.max_prompt is not None and workload.prompt > limits.max_prompt:
-        raise ValueError(f"capacity: a prompt of {workload.prompt} tokens is beyond the engine's profile "
-                         f"(at most {limits.max_prompt} new tokens per call)")
-    if limits.max_context is not None and context > limits.max_context:
-        raise ValueError(f"capacity: prompt + answer = {context} tokens is beyond the engine's profile "
-                         f"(at most {limits.max_context} tokens of context)")
     basis = max(figures.prefill, key=lambda p: p.batch * p.seq)
     per_token_ms = basis.ms / (basis.batch * basis.seq)
     mean_past = workload.prompt + (workload.answer - 1) / 2

@@ -23,7 +23,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from tasks import inputs, killpoints, models
+from tasks import killpoints
+from tasks.calibration_feeds import calibration_batches, calibration_past
 from tasks.qdq_lint import check_qdq
 from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 STAGE = "precision"
 TOOLS = ("onnx", "onnxruntime")
-CODE = ("tasks.precision", "tasks.qdq_lint", "tasks.inputs", "tasks.int8_fallback")  # what the stage computes: part of the key
+CODE = ("tasks.precision", "tasks.qdq_lint", "tasks.calibration_feeds", "tasks.inputs", "tasks.int8_fallback")  # what the stage computes: part of the key
 MODEL_FILE = "model.onnx"
 CPU_MODEL_FILE = "model.cpu.onnx"
 CALIBRATION_FILE = "calibration.json"
@@ -82,7 +83,7 @@ def _config(spec: PipelineSpec, precision: str) -> dict[str, Any]:
     if precision == "int8":
         config |= {"quantization": spec.quantization, "calibration": spec.calibration,
                    "calibration_data_sha256": file_digest(spec.resolve(spec.calibration.data)),
-                   "calibration_past": _calibration_past(spec), "op_types": list(QUANTIZED_OP_TYPES)}
+                   "calibration_past": calibration_past(spec), "op_types": list(QUANTIZED_OP_TYPES)}
         if spec.quantization.accuracy_fallback is not None:  # the fallback aims at these gates
             from tasks.int8_fallback import gated_metrics
 
@@ -145,33 +146,6 @@ def text_calibration_reader(batches: list[dict[str, np.ndarray]]) -> Calibration
             return len(batches)
 
     return TextCalibrationReader()
-
-
-def _calibration_past(spec: PipelineSpec) -> int:
-    """Decoders with a KV cache calibrate at the optimization profile's typical past length."""
-    return spec.profiles[0].past[1] if spec.model.has_past and spec.profiles[0].past else 0
-
-
-def calibration_batches(spec: PipelineSpec, input_names: list[str],
-                        past: int | None = None) -> list[dict[str, np.ndarray]]:
-    """spec.calibration.samples lines of the calibration text, tokenized into [batch_size, seq_len] feeds:
-    for a decoder, after a KV cache of `past` tokens (default: the profile's typical past; 0 for a
-    graph over whole prompts)."""
-    calib = spec.calibration
-    texts = inputs.read_texts(spec.resolve(calib.data), limit=calib.samples)
-    tokenizer = models.load_tokenizer(spec)
-    past = _calibration_past(spec) if past is None else past
-    with_cache = spec.model.is_decoder and any(name.startswith(inputs.PAST_PREFIX) for name in input_names)
-    reference = models.load_reference(spec) if with_cache else None  # it computes the cache
-    batches = []
-    for start in range(0, len(texts), calib.batch_size):
-        chunk = texts[start:start + calib.batch_size]
-        if spec.model.is_decoder:
-            batches.append(inputs.decoder_feeds(tokenizer, reference, chunk, len(chunk), calib.seq_len, past,
-                                                input_names))
-        else:
-            batches.append(inputs.encoder_feeds(tokenizer, chunk, len(chunk), calib.seq_len, input_names))
-    return batches
 
 
 def excluded_nodes(model: onnx.ModelProto, spec: PipelineSpec) -> list[str]:

@@ -141,7 +141,7 @@ def _promote_target(spec: PipelineSpec, target: TargetSpec, passing: list[Candid
     else:
         undo.add(f"restore the description and tags of {name}",
                  lambda: tracking.restore_registered_model(before, list(tags)))
-    versions = {o.candidate.name: _register(name, alias, o, undo) for o in passing}
+    versions = {o.candidate.name: _register(spec, name, o, undo) for o in passing}
     best = next((o for o in passing if o.decision and o.decision.take_alias), None)
     previous = tracking.alias_version(name, alias)  # read again under the lock: compare, then set
     if best is not None and previous not in (best.decision.champion, versions[best.candidate.name]):
@@ -181,7 +181,7 @@ def _same_engine(name: str, outcome: CandidateOutcome) -> list[tracking.Register
     return tracking.versions_of_engine(name, tracking.engine_identity(build), build.key)
 
 
-def _register(name: str, alias: str, outcome: CandidateOutcome, undo: _Undo) -> str:
+def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _Undo) -> str:
     """The one version for this engine's bytes: an existing one (its figures brought up to date), else a new one.
 
     Reusing keeps an unchanged nightly re-run from piling up identical versions and from
@@ -194,7 +194,7 @@ def _register(name: str, alias: str, outcome: CandidateOutcome, undo: _Undo) -> 
     if same_engine:
         if identity and tracking.ENGINE_IDENTITY_TAG not in same_engine[0].tags:  # registered before versions had it
             _refresh_tags(name, same_engine[0].version, identity, undo)
-        _refresh_measurement(name, same_engine[0], outcome, undo)
+        _refresh_measurement(spec, name, same_engine[0], outcome, undo)
         return same_engine[0].version
     tags = {"candidate": outcome.candidate.name, "precision": outcome.candidate.precision,
             "target": outcome.candidate.target, "cache_key": outcome.cache_key or ""}
@@ -208,7 +208,7 @@ def _register(name: str, alias: str, outcome: CandidateOutcome, undo: _Undo) -> 
         tracking.delete_version(name, created.version)
         undo.steps.pop()
         return lowest
-    holder = tracking.alias_version(name, alias)  # never removed from under a deploy that reads the alias
+    holder = tracking.alias_version(name, spec.promotion.alias)  # never removed from under a deploy that reads it
     for other in same_engine[1:]:
         if other.version != holder:
             tracking.delete_version(name, other.version)
@@ -221,10 +221,11 @@ def _version_description(outcome: CandidateOutcome) -> str:
     return f"Engine of {outcome.candidate.name}." + (f" {tracking.measured_sentence(measured)}" if measured else "")
 
 
-def _refresh_measurement(name: str, version: tracking.RegisteredVersion, outcome: CandidateOutcome,
-                         undo: _Undo) -> None:
-    """Bring a reused version's metric tags, description and engine card to this run's measurement when it is
-    newer than the one they show: a re-measurement replaced the published one (same key, later date)."""
+def _refresh_measurement(spec: PipelineSpec, name: str, version: tracking.RegisteredVersion,
+                         outcome: CandidateOutcome, undo: _Undo) -> None:
+    """Bring a reused version's metric tags, description and engine card (its key metrics and capacity plan)
+    to this run's measurement when it is newer than the one they show: a re-measurement replaced the
+    published one (same key, later date)."""
     measured = tracking.measurement(outcome)
     shown = version.tags.get(tracking.MEASURED_AT, "")  # none on a version registered before they were dated
     if not measured.get(tracking.MEASURED_AT) or shown >= measured[tracking.MEASURED_AT]:
@@ -236,8 +237,11 @@ def _refresh_measurement(name: str, version: tracking.RegisteredVersion, outcome
     tracking.set_version_description(name, version.version, _version_description(outcome))
     undo.add(f"restore the description of {name} version {version.version}",
              lambda: tracking.set_version_description(name, version.version, old_description))
-    section = tracking.metrics_section(key_metrics(stage_metrics(outcome.stages)), measured)
-    card = tracking.replace_card_metrics(version.run_id, section) if version.run_id != outcome.run_id else None
+    measured_metrics = stage_metrics(outcome.stages)
+    sections = [tracking.metrics_section(key_metrics(measured_metrics), measured)]
+    if spec.capacity is not None:
+        sections.append(tracking.capacity_section(spec, outcome, measured_metrics, f"{name} v{version.version}"))
+    card = tracking.replace_card_sections(version.run_id, sections) if version.run_id != outcome.run_id else None
     if card is not None:
         undo.add(f"restore the engine card of {name} version {version.version}",
                  lambda: tracking.restore_card(version.run_id, card))

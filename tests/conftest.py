@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +11,9 @@ import pytest
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Each pytest-xdist worker has its own servers and stores; its own lock records too, so that one worker's
+# runs never wait on (or report) another's file locks on this host.
+os.environ.setdefault("SMELTER_LOCK_DIR", tempfile.mkdtemp(prefix=f"smelter-locks-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"))
 
 pytest_plugins = ["tests.fixtures.models", "tests.fixtures.servers", "tests.fixtures.fleet"]
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tasks.backends.base import get_backend
-from tasks.build import BuildUnavailable, build_key, open_engine, prompt_calibration, run_build, torch_upstream
+from tasks.build import BuildUnavailable, build_key, open_engine, run_build, torch_upstream
+from tasks.calibration_feeds import prompt_batches
 from tasks.spec import PipelineSpec, load
 from tasks.store import ArtifactStore, StageResult
 from tests.fixtures.models import write_pipelines
@@ -118,7 +119,7 @@ def test_a_static_fp8_build_depends_on_the_calibration_text_and_reads_whole_prom
     assert torch_upstream(spec, sensitive, "fp8") != before["sensitive"]
     assert torch_upstream(spec, per_token, "fp8") == before["per-token"]
     assert torch_upstream(spec, static, "bf16") == before["bf16"]
-    feeds = prompt_calibration(spec)
+    feeds = prompt_batches(spec)
     assert len(feeds) == 4  # 16 samples, 4 per batch
     for batch in feeds:
         assert set(batch) == {"input_ids", "attention_mask"} and batch["input_ids"].shape == (4, 32)

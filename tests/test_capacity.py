@@ -10,9 +10,14 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from flows.cli import main
+from flows.cli import _parser, main
 from tasks import capacity, tracking
 from tasks.capacity import DecodePoint, Figures, FiguresError, Limits, PrefillPoint, Workload
+from tasks.metrics import stage_metrics
+from tasks.outcome import CandidateOutcome, GateResult
+from tasks.registry.card import engine_card
+from tasks.spec import Candidate, PipelineSpec
+from tasks.store import StageResult
 from tests.fixtures.models import write_pipelines
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,3 +162,82 @@ def test_cli_reads_a_registered_versions_measured_figures(tmp_path: Path, tiny_l
     assert "prompt + answer = 328 tokens is beyond the engine's profile (at most 257" in capsys.readouterr().err
     assert main(["capacity", name, "--version", "99", "-f", str(pipelines), *mix]) == 2
     assert f"{name} has no version 99" in capsys.readouterr().err
+
+
+# --- the plan on the engine card: the pipeline's `capacity:` mix on a candidate's measured figures ---
+
+def _llama_spec(capacity_settings: dict | None) -> PipelineSpec:
+    return PipelineSpec.model_validate({
+        "name": "llama", "model": {"id": "org/llama", "task": "text-generation-with-past"},
+        "profiles": [{"batch": [1, 8, 64], "seq": [1, 512, 1024], "past": [0, 512, 1024]}], "precisions": ["bf16"],
+        "targets": [{"name": "sm90", "backend": "inductor", "arch": "sm90"}],
+        "benchmark": {"batch_sizes": [8], "seq_lens": [512], "past_len": 512}}
+        | ({"capacity": capacity_settings} if capacity_settings is not None else {}))
+
+
+def _recorded_outcome(decode: bool = True) -> CandidateOutcome:
+    """A promoted candidate whose benchmark stage recorded the H200 figures above as p99 (prefill 8x512; decode
+    steps at batch 1 and 64, past 512), as the benchmark stage writes them."""
+    point = {"batch": 8, "seq": 512, "p50_ms": 14.0, "p99_ms": 14.325, "throughput": 558.0}
+    steps = [{"batch": 1, "past": 512, "p50_ms": 1.0, "p99_ms": 1.072},
+             {"batch": 64, "past": 512, "p50_ms": 1.5, "p99_ms": 1.5966}]
+    outputs = {"points": [point], "gate_point": point} | ({"decode": steps} if decode else {})
+    stages = {"benchmark": StageResult("llama", "benchmark", "bench-key", Path("."), {"outputs": outputs})}
+    return CandidateOutcome(Candidate("llama", "bf16", "sm90"), "promoted", stages=stages,
+                            gates=[GateResult("accuracy", True)], model_name="llama-sm90", model_version="3")
+
+
+def _card(capacity_settings: dict | None, decode: bool = True) -> str:
+    spec, outcome = _llama_spec(capacity_settings), _recorded_outcome(decode)
+    return engine_card(spec, outcome, stage_metrics(outcome.stages))
+
+
+MIX = {"tokens_per_day": BILLION, "prompt": 512, "answer": 256, "slo_ms": 500, "gpus_per_host": 8}
+
+
+def test_the_engine_card_plans_the_pipelines_capacity_mix_on_the_engines_own_figures() -> None:
+    card = _card(MIX)
+    figures = capacity.figures_from_metrics({"b8_s512.p99_ms": 14.325, "decode_b1_p512.p99_ms": 1.072,
+                                             "decode_b64_p512.p99_ms": 1.5966}, "llama-sm90 v3", "sm90")
+    expected = capacity.plan(figures, Workload(BILLION, 512, 256, 500, gpus_per_host=8),
+                             capacity.limits_from_profiles(_llama_spec(MIX).profiles))
+    _, gpus = _by_hand(1, 1.072, 512, 256, 0.6)
+    assert expected.gpus == gpus == 7
+    assert capacity.markdown(expected) in card  # the same block `smelter capacity` prints, word for word
+    assert "figures: llama-sm90 v3, p99 of per-call time" in card and "GPUs (sm90) to serve 1e+09 tokens/day" in card
+    assert f"Answer: **{gpus} GPUs** on 1 host at batch 1" in card
+    # after the key metrics (which a re-measurement rewrites up to the next section) and before the identity
+    assert card.index("## Key metrics") < card.index("## Capacity plan") < card.index("## Identity")
+    assert "## Capacity" not in _card(None)
+
+
+def test_an_engine_card_without_decode_figures_says_what_the_plan_needs() -> None:
+    card = _card(MIX, decode=False)
+    section = card[card.index("## Capacity plan"):card.index("## Identity")]
+    assert "Not planned: the `capacity:` plan needs this engine's measured prefill figures" in section
+    assert "`decode_b<batch>_p<past>.p99_ms`" in section
+    assert "this engine was not measured with them (found 1 prefill and 0 decode points)" in section
+    assert "Answer" not in section
+
+
+def test_an_engine_card_says_when_no_measured_batch_meets_the_slo() -> None:
+    card = _card(MIX | {"slo_ms": 100})
+    assert "Answer: **no measured batch meets the SLO** (fastest: 276.2 ms at batch 1)" in card
+    assert "Arithmetic" not in card
+
+
+def test_the_setting_takes_the_clis_defaults_and_meanings() -> None:
+    args = _parser().parse_args(["capacity", "m", "--tokens-per-day", "1e9", "--prompt", "512", "--answer", "256",
+                                 "--slo-ms", "500"])
+    spec = _llama_spec({"tokens_per_day": BILLION, "prompt": 512, "answer": 256, "slo_ms": 500})
+    assert (spec.capacity.utilisation, spec.capacity.count, spec.capacity.gpus_per_host) == (
+        args.utilisation, args.count, args.gpus_per_host)
+    assert spec.capacity.workload() == Workload(args.tokens_per_day, args.prompt, args.answer, args.slo_ms,
+                                                args.utilisation, args.count, args.gpus_per_host)
+
+
+def test_figures_the_arithmetic_cannot_use_leave_a_line_not_a_failed_card() -> None:
+    """The card is written after promotion: a plan that raises (here zero-time figures) costs one line, not the card."""
+    spec, outcome = _llama_spec(MIX), _recorded_outcome()
+    card = engine_card(spec, outcome, {"b8_s512.p99_ms": 0.0, "decode_b1_p512.p99_ms": 0.0})
+    assert "## Capacity plan\n\nNot planned: ZeroDivisionError" in card and "## Identity" in card

@@ -54,3 +54,18 @@ def test_tasks_importing_flows_and_an_oversized_schema_are_refused(tmp_path: Pat
     assert "tasks.stage imports flows.cli: tasks/ must not import flows/" in found
     assert "tasks/spec.py has 501 lines, over its budget of 500: split it by concern" in found
     assert any(p.startswith("import circle: flows.cli -> tasks.spec") for p in found)
+
+
+def test_mlflow_imported_outside_the_registry_package_is_refused(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "tasks/__init__.py": "",
+        "tasks/registry/__init__.py": "import mlflow\n",
+        "tasks/registry/runs.py": "from mlflow.tracking import MlflowClient\n",
+        "tasks/promote.py": "def f():\n    import mlflow.pyfunc\n",
+        "tasks/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import mlflow\n",
+        "flows/__init__.py": "",
+        "flows/cli.py": "from mlflow import MlflowClient\n",
+    })
+    assert import_graph.problems(root) == [
+        "flows.cli imports mlflow: only tasks.registry may (the rest goes through it)",
+        "tasks.promote imports mlflow: only tasks.registry may (the rest goes through it)"]

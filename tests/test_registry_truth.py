@@ -69,3 +69,26 @@ def test_a_replaced_measurement_updates_the_versions_tags_description_and_card(t
 
     promote(spec, judged(spec, [first]))  # another host still reading the older measurement
     assert client.get_model_version(name, first.model_version).tags["throughput"] == "480"
+
+
+def test_a_card_rewrite_replaces_each_section_it_is_given_and_nothing_else() -> None:
+    """A re-measurement rewrites the card's key metrics and, where the pipeline plans capacity, its capacity
+    plan (figures of the same measurement); the other sections stay as they were."""
+    mlflow.set_experiment(f"card-{uuid.uuid4().hex[:8]}")
+    with mlflow.start_run() as run:
+        run_id = run.info.run_id
+    card = ("# enc/fp32/cpu\n\nStatus: **promoted**\n\n## Key metrics\n\n| throughput | 400 |\n\n"
+            "## Capacity plan\n\nAnswer: **7 GPUs**\n\n## Identity\n\n| model | enc |\n")
+    MlflowClient().log_text(run_id, card, "engine_card.md")
+    before = tracking.replace_card_sections(run_id, [["## Key metrics", "", "| throughput | 480 |"],
+                                                     ["## Capacity plan", "", "Answer: **5 GPUs**"]])
+    assert before == card
+    now = mlflow.artifacts.load_text(f"runs:/{run_id}/engine_card.md")
+    assert now == card.replace("| throughput | 400 |", "| throughput | 480 |").replace("**7 GPUs**", "**5 GPUs**")
+
+    without = "# enc/fp32/cpu\n\n## Key metrics\n\n| throughput | 480 |\n\n## Identity\n\n| model | enc |\n"
+    MlflowClient().log_text(run_id, without, "engine_card.md")
+    tracking.replace_card_sections(run_id, [["## Key metrics", "", "| throughput | 500 |"],
+                                            ["## Capacity plan", "", "Answer: **5 GPUs**"]])
+    assert mlflow.artifacts.load_text(f"runs:/{run_id}/engine_card.md") == without.replace("480", "500"), \
+        "a card written before capacity was planned gains no section out of place"

@@ -347,3 +347,26 @@ def test_parse_bytes() -> None:
     assert parse_bytes(1024) == 1024
     with pytest.raises(ValueError):
         parse_bytes("four")
+
+
+def test_a_capacity_mix_is_checked_where_it_is_written(workdir: Path) -> None:
+    """`capacity:` (the deployment each engine card sizes) takes `smelter capacity`'s options and defaults; a bad
+    value, a mix beyond the profiles or a pipeline with no decode steps to plan on is located like any other."""
+    decoder = llama_decoder(workdir, "[fp32]")
+    mix = "    capacity:\n      tokens_per_day: 1e9\n      prompt: 16\n      answer: 8\n      slo_ms: 1000\n"
+    plan = load(write(workdir, decoder + mix)).pipelines["enc"].capacity
+    assert (plan.tokens_per_day, plan.prompt, plan.answer, plan.slo_ms) == (1e9, 16, 8, 1000.0)
+    assert (plan.utilisation, plan.count, plan.gpus_per_host) == (0.6, "all", None)
+    bad = mix.replace("slo_ms: 1000", "slo_ms: 0") + "      utilisation: 1.5\n      count: prompts\n"
+    path = write(workdir, decoder + bad)
+    message, at = problems(path), decoder.count("\n") + 1  # the line of `capacity:`
+    assert f"{path}:{at + 4}: pipelines.enc.capacity.slo_ms: Input should be greater than 0 (got 0)" in message
+    assert (f"{path}:{at + 5}: pipelines.enc.capacity.utilisation: Input should be less than or equal to 1 "
+            "(got 1.5)") in message
+    assert f"{path}:{at + 6}: pipelines.enc.capacity.count: Input should be 'all' or 'answer' (got 'prompts')" \
+        in message
+    path = write(workdir, decoder + mix.replace("prompt: 16", "prompt: 64"))
+    assert (f"{path}:{at}: pipelines.enc.capacity: a prompt of 64 tokens is beyond the engine's profile "
+            "(at most 32 new tokens per call)") in problems(path)
+    path = write(workdir, VALID + mix)
+    assert f"{path}:{VALID.count(chr(10)) + 1}: pipelines.enc.capacity: needs a decoder" in problems(path)

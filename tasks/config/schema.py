@@ -17,14 +17,16 @@ from typing import Annotated, Any, Literal, Union
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
+from tasks import capacity as _capacity
 from tasks.backends.base import TargetSpec
 from tasks.backends.table import BACKENDS
-from tasks.config.bounds import (MAX_BATCH, MAX_BENCHMARK_SECONDS, MAX_PATTERNS, MAX_PROFILES, MAX_RETRIES,
-                                 MAX_ROUNDS, MAX_SAMPLES, MAX_SEQ, MAX_TARGETS, MAX_THREADS, MAX_THRESHOLD,
-                                 MAX_TIMEOUT_S, MAX_TOLERANCE, MAX_WARMUP, MAX_WORKER_TIMEOUT_S, NAME, PRECISIONS,
-                                 Pattern)
+from tasks.config.bounds import (MAX_BATCH, MAX_BENCHMARK_SECONDS, MAX_GPUS_PER_HOST, MAX_PATTERNS, MAX_PROFILES,
+                                 MAX_RETRIES, MAX_ROUNDS, MAX_SAMPLES, MAX_SEQ, MAX_SLO_MS, MAX_TARGETS, MAX_THREADS,
+                                 MAX_THRESHOLD, MAX_TIMEOUT_S, MAX_TOKENS_PER_DAY, MAX_TOLERANCE, MAX_WARMUP,
+                                 MAX_WORKER_TIMEOUT_S, NAME, PRECISIONS, Pattern)
 from tasks.config.bounds import Strict as _Strict
 from tasks.hostload import CONTENDED_SHARE
 from tasks.redact import redacted_url
@@ -217,6 +219,23 @@ class PerformanceSpec(_Strict):
                                    "must be, conclusively, to take the alias")
 
 
+class CapacitySpec(_Strict):
+    """The deployment `smelter capacity` sizes, planned on each candidate's engine card (docs/capacity.md): the
+    CLI's options, with its defaults and meanings."""
+
+    tokens_per_day: float = Field(gt=0, le=MAX_TOKENS_PER_DAY, description="N, e.g. 1e9")
+    prompt: int = Field(ge=1, le=MAX_SEQ, description="prompt tokens per request")
+    answer: int = Field(ge=1, le=MAX_SEQ, description="answer (generated) tokens per request")
+    slo_ms: float = Field(gt=0, le=MAX_SLO_MS, description="p99 request latency limit, ms")
+    utilisation: float = Field(_capacity.Workload.utilisation, gt=0, le=1, description="target GPU utilisation")
+    count: Literal["all", "answer"] = Field(_capacity.Workload.count, description="which tokens N counts: "
+                                            "prompt + answer (all) or answer only")
+    gpus_per_host: int | None = Field(None, ge=1, le=MAX_GPUS_PER_HOST, description="also answer in hosts")
+
+    def workload(self) -> _capacity.Workload:
+        return _capacity.Workload(self.tokens_per_day, self.prompt, self.answer, self.slo_ms, self.utilisation,
+                                  self.count, self.gpus_per_host)
+
 
 def _url_problem(url: str) -> str | None:
     """Why `url` cannot be a webhook, or None; checked here rather than at send time, where the event
@@ -341,7 +360,23 @@ class PipelineSpec(_Strict):
     performance: PerformanceSpec = PerformanceSpec()
     promotion: PromotionSpec = PromotionSpec()
     schedule: ScheduleSpec | None = None
+    capacity: CapacitySpec | None = Field(None, description="a deployment to size on each engine card")
     base_dir: Path = Field(Path("."), exclude=True, description="directory of pipelines.yaml")
+
+    @field_validator("capacity")
+    @classmethod
+    def _plannable(cls, capacity: CapacitySpec | None, info: ValidationInfo) -> CapacitySpec | None:
+        """A mix `smelter capacity` could plan: a decoder (measured prefill and decode steps), within its profiles."""
+        model, profiles = info.data.get("model"), info.data.get("profiles")
+        if capacity is None or model is None or profiles is None:  # their own problems are reported
+            return capacity
+        if not model.is_decoder:
+            raise ValueError(f"needs a decoder (model.task {' or '.join(DECODER_TASKS)}): it is planned on measured "
+                             f"prefill and decode steps; got {model.task}")
+        beyond = _capacity.limit_problems(capacity.workload(), _capacity.limits_from_profiles(profiles))
+        if beyond:
+            raise ValueError("; ".join(beyond))
+        return capacity
 
     def resolve(self, path: str) -> Path:
         """A path from the config, relative to pipelines.yaml; package:// paths into site-packages."""

@@ -13,6 +13,7 @@ import html
 import mlflow
 from mlflow.exceptions import MlflowException
 
+from tasks import capacity
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.registry.client import _client
@@ -40,6 +41,8 @@ def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str
     lines += ["## Gates", "", "| gate | passed | reasons |", "|---|---|---|"]
     lines += [f"| {g.gate} | {'yes' if g.passed else 'no'} | {'; '.join(g.reasons)} |" for g in outcome.gates]
     lines += ["", *metrics_section(key_metrics(metrics), measurement(outcome))]
+    if spec.capacity is not None:
+        lines += ["", *capacity_section(spec, outcome, metrics)]
     lines += ["", "## Identity", "", "| key | value |", "|---|---|"]
     lines += [f"| {k} | {tags[k]} |" for k in ("model", "precision", "target", "arch", "backend",
                                                "backend_version", "cache_key") if k in tags]
@@ -53,19 +56,44 @@ def metrics_section(metrics: dict[str, float], measured: dict[str, str]) -> list
     return lines + ["| metric | value |", "|---|---|"] + [f"| {k} | {v:.6g} |" for k, v in sorted(metrics.items())]
 
 
-def replace_card_metrics(run_id: str, section: list[str]) -> str | None:
-    """Put `section` in place of the key metrics of the run's engine card; returns the card as it was, or None
-    (and changes nothing) when the run has no card with that section."""
+def capacity_section(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str, float],
+                     source: str | None = None) -> list[str]:
+    """The pipeline's `capacity:` deployment planned on this engine's measured figures, as `smelter capacity`
+    prints it; one line instead when it cannot be planned. Never raises: the card is written after promotion."""
+    if source is None:
+        source = f"{outcome.model_name} v{outcome.model_version}" if outcome.model_version else outcome.candidate.name
+    head = ["## Capacity plan", ""]
+    try:
+        figures = capacity.figures_from_metrics(metrics, source, spec.target(outcome.candidate.target).gpu_arch)
+        result = capacity.plan(figures, spec.capacity.workload(), capacity.limits_from_profiles(spec.profiles))
+        return capacity.markdown(result).rstrip("\n").split("\n")
+    except capacity.FiguresError as e:
+        found = str(e).rpartition("; found ")[2]
+        return head + ["Not planned: the `capacity:` plan needs this engine's measured prefill figures "
+                       "(`b<batch>_s<seq>.p99_ms`) and decode-step figures (`decode_b<batch>_p<past>.p99_ms`), and "
+                       f"this engine was not measured with them (found {found or 'none'})."]
+    except Exception as e:  # noqa: BLE001 - arithmetic on recorded figures must not cost the card
+        return head + [f"Not planned: {type(e).__name__}: {e}"]
+
+
+def replace_card_sections(run_id: str, sections: list[list[str]]) -> str | None:
+    """Put each of `sections` (lines, the first its `## ` title) in place of the section of that title on the
+    run's engine card; returns the card as it was, or None (and changes nothing) when the run has no card
+    with its first section. A section the card does not have is left out."""
     try:
         before = mlflow.artifacts.load_text(f"runs:/{run_id}/{ENGINE_CARD}")
     except (MlflowException, OSError):
         return None
-    start = before.find("\n## Key metrics\n")
-    if start < 0:
-        return None
-    end = before.find("\n## ", start + 1)
-    _client().log_text(run_id, before[:start + 1] + "\n".join(section) + "\n" + (before[end:] if end >= 0 else ""),
-                       ENGINE_CARD)
+    card = before
+    for number, section in enumerate(sections):
+        start = card.find(f"\n{section[0]}\n")
+        if start < 0:
+            if number == 0:
+                return None
+            continue
+        end = card.find("\n## ", start + 1)
+        card = card[:start + 1] + "\n".join(section) + "\n" + (card[end:] if end >= 0 else "")
+    _client().log_text(run_id, card, ENGINE_CARD)
     return before
 
 
