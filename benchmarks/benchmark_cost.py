@@ -28,7 +28,7 @@ from tasks.benchmark import (REFERENCE, benchmark_threads, engine_timer, prefill
 from tasks.build import open_engine, run_build
 from tasks.export import run_export
 from tasks.inputs import point_feeds, read_texts
-from tasks.models import load_reference, load_tokenizer
+from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.precision import run_precision
 from tasks.spec import load
 from tasks.store import ArtifactStore
@@ -39,14 +39,14 @@ LEGACY_WARMUP, LEGACY_REPEATS, LEGACY_BLOCKS = 5, 30, 5
 def legacy_seconds(spec, builds: dict, threads: int) -> tuple[float, dict[str, float]]:
     """The fixed-repeats stage: each candidate alone with the reference, blocks alternating."""
     started = time.perf_counter()
-    reference, tokenizer = load_reference(spec), load_tokenizer(spec)
+    reference, tokenizer = load_reference(ModelSource.of(spec)), load_tokenizer(ModelSource.of(spec))
     texts = read_texts(spec.resolve(spec.accuracy.data))
     speedups = {}
     for name, build in builds.items():
         runner = open_engine(spec, build, threads=threads)
         for batch in spec.benchmark.batch_sizes:
             for seq in spec.benchmark.seq_lens:
-                feeds = point_feeds(spec, tokenizer, reference, texts,
+                feeds = point_feeds(spec.model, tokenizer, reference, texts,
                                     {"batch": batch, "seq": seq, "past": prefill_past(spec)}, runner.input_names)
                 forward = reference_call(reference, feeds, spec.model.task)
                 engine, ref = engine_timer(runner, feeds), (lambda n: time_call_ms(forward, 0, n))

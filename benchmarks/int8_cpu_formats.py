@@ -31,7 +31,7 @@ from tasks import spec as spec_module
 from tasks.accuracy import cosine, mean_pool
 from tasks.export import run_export
 from tasks.inputs import encoder_feeds, read_texts, reference_outputs
-from tasks.models import load_reference, load_tokenizer
+from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.backends.onnxruntime import cpu_isa
 from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, run_precision
 from tasks.stats import paired_ratio
@@ -105,7 +105,7 @@ def main() -> None:
         print("excluded in the fused cpu graph:", int8["dynamic"].outputs["cpu_excluded_nodes"])
 
         spec = specs["dynamic"]
-        tokenizer, reference = load_tokenizer(spec), load_reference(spec)
+        tokenizer, reference = load_tokenizer(ModelSource.of(spec)), load_reference(ModelSource.of(spec))
         texts = read_texts(spec.resolve(spec.accuracy.data), limit=args.eval_samples)
         batches = [encoder_feeds(tokenizer, texts[i:i + args.batch], args.batch, args.seq,
                                  exported.outputs["inputs"]) for i in range(0, len(texts), args.batch)]

@@ -19,7 +19,7 @@ import onnxruntime as ort
 from tasks.accuracy import cosine, mean_pool
 from tasks.export import run_export
 from tasks.inputs import encoder_feeds, read_texts
-from tasks.models import load_tokenizer
+from tasks.models import ModelSource, load_tokenizer
 from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, run_precision
 from tasks.spec import AccuracyFallbackSpec, load
 from tasks.store import ArtifactStore
@@ -28,7 +28,8 @@ from tasks.store import ArtifactStore
 def eval_cosines(spec, exported, graphs: dict[str, Path]) -> dict[str, dict[str, float]]:
     """cosine mean/min of each graph vs the fp32 export on the pipeline's held-out eval text."""
     texts = read_texts(spec.resolve(spec.accuracy.data), limit=spec.accuracy.samples)
-    feeds = encoder_feeds(load_tokenizer(spec), texts, len(texts), spec.accuracy.seq_len, exported.outputs["inputs"])
+    feeds = encoder_feeds(load_tokenizer(ModelSource.of(spec)), texts, len(texts), spec.accuracy.seq_len,
+                          exported.outputs["inputs"])
 
     def pooled(path: Path) -> np.ndarray:
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

@@ -18,7 +18,7 @@ from tasks import killpoints
 from tasks.backends.base import Runner, get_backend
 from tasks.build import open_engine
 from tasks.inputs import decoder_feeds, encoder_feeds, point_feeds, read_texts, reference_outputs
-from tasks.models import load_reference, load_tokenizer
+from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec, ProfileSpec
 from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
@@ -53,8 +53,8 @@ def accuracy_work(spec: PipelineSpec, build_result: StageResult, store: Artifact
         batch = max(profile.batch[0], min(CHUNK, profile.batch[2]))
         past = profile.past[0] if spec.model.has_past else 0
         texts = read_texts(spec.resolve(spec.accuracy.data), spec.accuracy.samples)
-        tokenizer = load_tokenizer(spec)
-        reference = load_reference(spec)
+        model = ModelSource.of(spec)
+        tokenizer, reference = load_tokenizer(model), load_reference(model)
         with open_engine(spec, build_result) as engine:
             if spec.model.is_decoder:
                 table, metrics = _decoder_accuracy(spec, engine, tokenizer, reference, texts, batch, past)
@@ -207,7 +207,7 @@ def three_way(spec: PipelineSpec, build_result: StageResult, store: ArtifactStor
     exported = precision and store.lookup(spec.name, "export", precision.manifest["inputs"]["export"])
     if not exported:
         raise FileNotFoundError(f"the ONNX graphs engine {build_result.key} was built from are gone from the store")
-    feeds = {point: point_feeds(spec, tokenizer, reference, texts, shape, engine.input_names)
+    feeds = {point: point_feeds(spec.model, tokenizer, reference, texts, shape, engine.input_names)
              for point, shape in spec.profiles[0].shapes().items()}
     return compare_three_way(exported.file("model.onnx"), precision.file("model.onnx"), engine, feeds,
                              spec.validation.atol, spec.validation.rtol)
@@ -222,7 +222,7 @@ def check_validity(spec: PipelineSpec, runner: Runner, tokenizer: Any, reference
     for index, profile in enumerate(spec.profiles):
         for point, shape in profile.shapes().items():
             where = f"profile {index} {point} {shape}"
-            feeds = point_feeds(spec, tokenizer, reference, texts, shape, runner.input_names)
+            feeds = point_feeds(spec.model, tokenizer, reference, texts, shape, runner.input_names)
             try:
                 outputs = runner.infer(feeds)
             except Exception as e:  # an engine that cannot run at a profile point is invalid, not a crash

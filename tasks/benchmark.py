@@ -33,7 +33,7 @@ from tasks.champion import cannot_run_here, same_engine
 from tasks.hostload import LoadWatch
 from tasks.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read_texts
 from tasks.measure import Contender, Rounds, measure_rounds
-from tasks.models import load_reference, load_tokenizer
+from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.outcome import Champion
 from tasks.spec import PipelineSpec
 from tasks.stage import KeepPublished, Work, run_stage
@@ -204,7 +204,7 @@ def _measure(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult
 
     threads = config["threads"]
     texts = read_texts(spec.resolve(spec.accuracy.data))
-    reference = load_reference(spec)
+    reference = load_reference(ModelSource.of(spec))
     device = reference_device(spec.target(target_name))
     runners: dict[str, Runner] = {}
     champion_info: dict[str, Any] | None = None
@@ -222,7 +222,7 @@ def _measure(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult
             except Exception as e:  # noqa: BLE001 - recorded; the decision reads it
                 champion_info |= {"label": None, "unavailable": f"{type(e).__name__}: {e}",
                                   "permanent": cannot_run_here(e)}
-        bench = _Bench(spec, list(builds), runners, reference, load_tokenizer(spec), texts, device)
+        bench = _Bench(spec, list(builds), runners, reference, load_tokenizer(ModelSource.of(spec)), texts, device)
         measured = [(point, bench.measure(point)) for point in _points(spec)]
     finally:
         for runner in runners.values():
@@ -346,7 +346,7 @@ class _Bench:
         if past and not self.spec.model.has_past:
             # Without a KV cache a decode step re-reads the whole prefix: past + 1 tokens, no cache.
             seq, past = past + 1, 0
-        return point_feeds(self.spec, self.tokenizer, self.reference, self.texts,
+        return point_feeds(self.spec.model, self.tokenizer, self.reference, self.texts,
                            {"batch": batch, "seq": seq, "past": past}, self.input_names)
 
     def measure(self, point: dict[str, int]) -> Rounds:

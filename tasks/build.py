@@ -20,7 +20,7 @@ from tasks import killpoints
 from tasks.backends.base import Backend, BackendUnavailable, Runner, get_backend
 from tasks.backends.table import BACKENDS
 from tasks.calibration_feeds import prompt_batches
-from tasks.models import model_source_digest
+from tasks.models import ModelSource, model_source_digest
 from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec, ProfileSpec, TargetSpec
 from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
@@ -143,7 +143,8 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
 def torch_upstream(spec: PipelineSpec, target: TargetSpec, precision: str) -> dict[str, Any]:
     """What an engine built from the model itself depends on: the model's files, its task, the precision,
     and, where the build calibrates, the calibration settings and text."""
-    upstream: dict[str, Any] = {"model": model_source_digest(spec), "task": spec.model.task, "precision": precision}
+    upstream: dict[str, Any] = {"model": model_source_digest(ModelSource.of(spec)), "task": spec.model.task,
+                                "precision": precision}
     if target.calibrates(precision):
         upstream["calibration"] = {**spec.calibration.model_dump(mode="json"),
                                    "data_sha256": file_digest(spec.resolve(spec.calibration.data))}

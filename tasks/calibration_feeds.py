@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tasks import inputs, models
+from tasks import inputs
+from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.spec import PipelineSpec
 
 
@@ -21,12 +22,12 @@ def calibration_batches(spec: PipelineSpec, input_names: list[str],
     """spec.calibration.samples lines of the calibration text, tokenized into [batch_size, seq_len] feeds:
     for a decoder, after a KV cache of `past` tokens (default: the profile's typical past; 0 for a
     graph over whole prompts)."""
-    calib = spec.calibration
+    calib, model = spec.calibration, ModelSource.of(spec)
     texts = inputs.read_texts(spec.resolve(calib.data), limit=calib.samples)
-    tokenizer = models.load_tokenizer(spec)
+    tokenizer = load_tokenizer(model)
     past = calibration_past(spec) if past is None else past
     with_cache = spec.model.is_decoder and any(name.startswith(inputs.PAST_PREFIX) for name in input_names)
-    reference = models.load_reference(spec) if with_cache else None  # it computes the cache
+    reference = load_reference(model) if with_cache else None  # it computes the cache
     batches = []
     for start in range(0, len(texts), calib.batch_size):
         chunk = texts[start:start + calib.batch_size]

@@ -18,7 +18,7 @@ from tasks.champion import champion_build
 from tasks.hostload import LoadWatch
 from tasks.inputs import point_feeds, read_texts
 from tasks.measure import Contender, measure_rounds
-from tasks.models import load_reference, load_tokenizer
+from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.spec import PipelinesFile, PipelineSpec, SpecError, registered_model_name
 from tasks.stats import METHOD, MIN_ROUNDS, Ratio
 from tasks.store import ArtifactStore
@@ -58,8 +58,9 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
     runners = {label: open_engine(spec, build, threads=threads) for label, build in builds.items()}
     try:
         names = sorted({n for r in runners.values() for n in r.input_names})
-        feeds = point_feeds(spec, load_tokenizer(spec), load_reference(spec), read_texts(spec.resolve(spec.accuracy.data)),
-                            point, names)
+        model = ModelSource.of(spec)
+        feeds = point_feeds(spec.model, load_tokenizer(model), load_reference(model),
+                            read_texts(spec.resolve(spec.accuracy.data)), point, names)
         settings = spec.benchmark
         with LoadWatch(settings.contended_above) as load:
             rounds = measure_rounds([Contender(label, engine_timer(runner, feeds)) for label, runner in runners.items()],

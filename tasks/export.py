@@ -9,13 +9,14 @@ validate stage compares against PyTorch at every profile shape instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import onnx
 
 from tasks import killpoints
-from tasks.models import load_tokenizer, model_source_digest
+from tasks.models import ModelSource, load_tokenizer, model_source_digest
 from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec
 from tasks.store import ArtifactStore, StageResult, StageWriter, tool_versions
@@ -25,44 +26,55 @@ TOOLS = ("torch", "transformers", "optimum", "optimum-onnx", "onnx")
 CODE = ("tasks.export",)  # what the stage computes: its source is part of the key
 
 
+@dataclass(frozen=True)
+class ExportConfig:
+    """What the export reads of a pipeline: the model and the opset (its key is made of these)."""
+
+    source: ModelSource
+    opset: int
+
+    @classmethod
+    def of(cls, spec: PipelineSpec) -> ExportConfig:
+        return cls(ModelSource.of(spec), spec.export.opset)
+
+
 def export_key(spec: PipelineSpec) -> str:
-    return export_work(spec).key
+    return export_work(ExportConfig.of(spec)).key
 
 
-def export_work(spec: PipelineSpec) -> Work:
+def export_work(config: ExportConfig) -> Work:
     """The export of the model's files for one task and opset (hashing the weights happens once, here)."""
-    source = model_source_digest(spec)
-    config = {"task": spec.model.task, "opset": spec.export.opset}
+    model, digest = config.source, model_source_digest(config.source)
+    settings = {"task": model.model.task, "opset": config.opset}
     tools = tool_versions(*TOOLS)
 
     def produce(w: StageWriter, _published: StageResult | None) -> None:
-        _export(spec, w.dir, spec.export.opset)
+        _export(model, w.dir, config.opset)
         killpoints.reach("export")
-        load_tokenizer(spec).save_pretrained(w.dir)
-        w.outputs.update(describe_onnx(w.dir / ONNX_FILE) | {"task": spec.model.task, "model_source": source})
+        load_tokenizer(model).save_pretrained(w.dir)
+        w.outputs.update(describe_onnx(w.dir / ONNX_FILE) | {"task": model.model.task, "model_source": digest})
 
-    return Work(spec.name, "export", {"upstream": source, "config": config, "tools": tools}, CODE, produce,
-                inputs={"model_source": source}, config=config, tools=tools)
+    return Work(model.pipeline, "export", {"upstream": digest, "config": settings, "tools": tools}, CODE, produce,
+                inputs={"model_source": digest}, config=settings, tools=tools)
 
 
 def run_export(spec: PipelineSpec, store: ArtifactStore, force: bool = False) -> StageResult:
     """Export the model to artifacts/<pipeline>/export/<key>/model.onnx with its tokenizer and config."""
-    return run_stage(export_work(spec), store, force)
+    return run_stage(export_work(ExportConfig.of(spec)), store, force)
 
 
-def _export(spec: PipelineSpec, out_dir: Path, opset: int) -> None:
+def _export(model: ModelSource, out_dir: Path, opset: int) -> None:
     from optimum.exporters.onnx import main_export
 
-    model_dir = spec.model_dir
-    if model_dir is not None:
-        source: dict[str, Any] = {"model_name_or_path": str(model_dir), "local_files_only": True}
+    if model.directory is not None:
+        source: dict[str, Any] = {"model_name_or_path": str(model.directory), "local_files_only": True}
     else:
-        source = {"model_name_or_path": spec.model.id, "revision": spec.model.revision}
-    main_export(**source, output=out_dir, task=spec.model.task, opset=opset, device="cpu",
+        source = {"model_name_or_path": model.model.id, "revision": model.model.revision}
+    main_export(**source, output=out_dir, task=model.model.task, opset=opset, device="cpu",
                 do_validation=False, library_name="transformers")
     if not (out_dir / ONNX_FILE).is_file():
         produced = sorted(p.name for p in out_dir.glob("*.onnx"))
-        raise RuntimeError(f"pipeline {spec.name}: Optimum export of task {spec.model.task} wrote {produced}, "
+        raise RuntimeError(f"pipeline {model.pipeline}: Optimum export of task {model.model.task} wrote {produced}, "
                            f"expected a single {ONNX_FILE}")
 
 

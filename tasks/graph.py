@@ -76,8 +76,9 @@ def candidate_steps(spec: PipelineSpec, candidate: Candidate, store: ArtifactSto
     if builds_from_torch(spec, t):
         built = Step("build", label, (), lambda: build.build_work(spec, t, p, None), target=t)
         return [built, judged((built.ref,))]
-    exported = Step("export", spec.name, (), lambda: export.export_work(spec))
-    validated = Step("validate", spec.name, (exported.ref,), lambda e: validate.validate_work(spec, e))
+    exported = Step("export", spec.name, (), lambda: export.export_work(export.ExportConfig.of(spec)))
+    validated = Step("validate", spec.name, (exported.ref,),
+                     lambda e: validate.validate_work(validate.ValidateConfig.of(spec), e))
     precise = Step("precision", f"{spec.name}/{p}", (exported.ref, validated.ref),
                    lambda e, _validated: precision.precision_work(spec, e, p))
     built = Step("build", label, (precise.ref,), lambda r: build.build_work(spec, t, p, r), target=t)
@@ -120,9 +121,9 @@ def judge_steps(spec: PipelineSpec, candidates: list[Candidate]) -> list[Step]:
     steps = [*gates, promoted]
     if any(_packages_plans(spec, t) for t in dict.fromkeys(c.target for c in candidates)):
         steps.append(Step("package", spec.name, (promoted.ref,), None, reads="promoted plans: Triton model entries"))
-    hooks = len(spec.promotion.webhooks)
+    hooks = f"{len(spec.promotion.webhooks)} webhook{'s' * (len(spec.promotion.webhooks) != 1)}"
     steps.append(Step("notify", spec.name, (promoted.ref,), None,
-                      reads=f"the promotions and earlier runs' pending events, for {hooks} webhook{'s' * (hooks != 1)}"))
+                      reads=f"the promotions and earlier runs' pending events, for {hooks}"))
     return steps
 
 

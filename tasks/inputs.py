@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
     from transformers.cache_utils import DynamicCache
 
-    from tasks.spec import PipelineSpec
+    from tasks.spec import ModelSpec
 
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."
@@ -126,10 +126,10 @@ def decoder_feeds(tokenizer: Any, reference_model: torch.nn.Module | None, texts
     return {name: np.ascontiguousarray(all_feeds[name]) for name in names}
 
 
-def point_feeds(spec: PipelineSpec, tokenizer: Any, reference_model: torch.nn.Module, texts: list[str],
+def point_feeds(model: ModelSpec, tokenizer: Any, reference_model: torch.nn.Module, texts: list[str],
                 shape: dict[str, int], input_names: Iterable[str]) -> dict[str, np.ndarray]:
     """Feeds at one profile shape point ({"batch", "seq"} and, for decoders with a KV cache, "past")."""
-    if spec.model.is_decoder:
+    if model.is_decoder:
         return decoder_feeds(tokenizer, reference_model, texts, shape["batch"], shape["seq"], shape.get("past", 0),
                              input_names)
     return encoder_feeds(tokenizer, texts, shape["batch"], shape["seq"], input_names)

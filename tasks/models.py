@@ -6,9 +6,11 @@ offline machine never waits on the network.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.spec import PipelineSpec
+from tasks.spec import ModelSpec, PipelineSpec
 from tasks.store import tree_digest
 
 if TYPE_CHECKING:
@@ -23,58 +25,71 @@ _AUTO_CLASSES = {
 }
 
 
-def _source(spec: PipelineSpec) -> tuple[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class ModelSource:
+    """What the loaders read of a pipeline: its name (for messages), its `model:` and the local directory
+    that model.path names, resolved against pipelines.yaml (None: the hub)."""
+
+    pipeline: str
+    model: ModelSpec
+    directory: Path | None
+
+    @classmethod
+    def of(cls, spec: PipelineSpec) -> ModelSource:
+        return cls(spec.name, spec.model, spec.model_dir)
+
+
+def _source(source: ModelSource) -> tuple[str, dict[str, Any]]:
     """What from_pretrained reads, and how: the local dir offline, or the hub id at its revision."""
-    model_dir = spec.model_dir
+    model_dir = source.directory
     if model_dir is not None:
         if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"pipeline {spec.name}: model.path {model_dir} has no config.json")
+            raise FileNotFoundError(f"pipeline {source.pipeline}: model.path {model_dir} has no config.json")
         return str(model_dir), {"local_files_only": True}
-    return spec.model.id, {"revision": spec.model.revision}
+    return source.model.id, {"revision": source.model.revision}
 
 
-def load_tokenizer(spec: PipelineSpec) -> Any:
+def load_tokenizer(source: ModelSource) -> Any:
     """The model's tokenizer; decoders without a pad token pad with eos so batches can be padded."""
     from transformers import AutoTokenizer
 
-    source, kwargs = _source(spec)
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    if spec.model.is_decoder and tokenizer.pad_token is None:
+    where, kwargs = _source(source)
+    tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    if source.model.is_decoder and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_reference(spec: PipelineSpec) -> torch.nn.Module:
+def load_reference(source: ModelSource) -> torch.nn.Module:
     """The fp32 PyTorch model on CPU in eval mode: the ground truth every engine is compared to."""
     import torch
     import transformers
 
-    source, kwargs = _source(spec)
-    auto_class = getattr(transformers, _AUTO_CLASSES[spec.model.task])
-    model, loading = auto_class.from_pretrained(source, dtype=torch.float32, output_loading_info=True, **kwargs)
+    where, kwargs = _source(source)
+    auto_class = getattr(transformers, _AUTO_CLASSES[source.model.task])
+    model, loading = auto_class.from_pretrained(where, dtype=torch.float32, output_loading_info=True, **kwargs)
     missing = loading.get("missing_keys") or []
     if missing:  # transformers would fill them with random numbers and only log a warning
-        raise ValueError(f"pipeline {spec.name}: the weights in {source} do not fit its config.json and task "
-                         f"{spec.model.task}: {len(missing)} tensors are missing ({', '.join(sorted(missing)[:5])}"
+        raise ValueError(f"pipeline {source.pipeline}: the weights in {where} do not fit its config.json and task "
+                         f"{source.model.task}: {len(missing)} tensors are missing ({', '.join(sorted(missing)[:5])}"
                          f"{', ...' if len(missing) > 5 else ''}), so they would be random; use the checkpoint "
                          "the config belongs to")
     return model.to("cpu").eval()
 
 
-def model_source_digest(spec: PipelineSpec) -> str:
+def model_source_digest(source: ModelSource) -> str:
     """The model's identity: a hash of the local files, or the hub commit the revision points at now.
 
     Resolving a branch like `main` to its commit is what makes a model pushed overnight rebuild.
     Offline, the revision name is all there is.
     """
-    model_dir = spec.model_dir
-    if model_dir is not None:
-        return tree_digest(model_dir)
+    if source.directory is not None:
+        return tree_digest(source.directory)
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        commit = HfApi().model_info(spec.model.id, revision=spec.model.revision).sha
+        commit = HfApi().model_info(source.model.id, revision=source.model.revision).sha
     except (OSError, HfHubHTTPError):
         commit = None
-    return f"hub:{spec.model.id}@{commit or spec.model.revision}"
+    return f"hub:{source.model.id}@{commit or source.model.revision}"

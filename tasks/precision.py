@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 STAGE = "precision"
 TOOLS = ("onnx", "onnxruntime")
-CODE = ("tasks.precision", "tasks.qdq_lint", "tasks.calibration_feeds", "tasks.inputs", "tasks.int8_fallback")  # what the stage computes: part of the key
+# what the stage computes: part of the key
+CODE = ("tasks.precision", "tasks.qdq_lint", "tasks.calibration_feeds", "tasks.inputs", "tasks.int8_fallback")
 MODEL_FILE = "model.onnx"
 CPU_MODEL_FILE = "model.cpu.onnx"
 CALIBRATION_FILE = "calibration.json"

@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tasks.inputs import point_feeds, read_texts, reference_outputs
-from tasks.models import load_reference, load_tokenizer
+from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.stage import Work, run_stage
-from tasks.spec import PipelineSpec
+from tasks.spec import PipelineSpec, ProfileSpec, ValidationSpec
 from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
 
 if TYPE_CHECKING:
@@ -70,44 +72,62 @@ def torch_reference_runner(model: torch.nn.Module, task: str, inputs: dict[str, 
     return TorchReferenceRunner()
 
 
+@dataclass(frozen=True)
+class ValidateConfig:
+    """What validation reads of a pipeline: the model, the tolerances, the profiles whose points it compares
+    at, and the text it feeds (`data` as written in pipelines.yaml, `data_path` resolved)."""
+
+    source: ModelSource
+    validation: ValidationSpec
+    profiles: tuple[ProfileSpec, ...]
+    data: str
+    data_path: Path
+
+    @classmethod
+    def of(cls, spec: PipelineSpec) -> ValidateConfig:
+        return cls(ModelSource.of(spec), spec.validation, tuple(spec.profiles), spec.accuracy.data,
+                   spec.resolve(spec.accuracy.data))
+
+
 def validate_key(export_result: StageResult, spec: PipelineSpec) -> str:
-    return validate_work(spec, export_result).key
+    return validate_work(ValidateConfig.of(spec), export_result).key
 
 
-def validate_work(spec: PipelineSpec, export_result: StageResult) -> Work:
+def validate_work(config: ValidateConfig, export_result: StageResult) -> Work:
     """The export compared with PyTorch; producing raises ValidationFailed (publishing nothing) when they disagree."""
-    config, tools = _config(spec), tool_versions(*TOOLS)
+    settings, tools = _settings(config), tool_versions(*TOOLS)
+    pipeline = config.source.pipeline
 
     def produce(w: StageWriter, _published: StageResult | None) -> None:
-        report = compare(spec, export_result)
+        report = compare(config, export_result)
         if not report["passed"]:
-            raise ValidationFailed(f"pipeline {spec.name}: the ONNX export {export_result.key} does not match "
+            raise ValidationFailed(f"pipeline {pipeline}: the ONNX export {export_result.key} does not match "
                                    "PyTorch:\n  " + "\n  ".join(report["failures"]))
         (w.dir / REPORT).write_text(json.dumps(report, indent=2))
         w.outputs.update({name: report[name] for name in ("passed", "points", "outputs", "nan_inf")})
 
-    parts = {"upstream": [export_result.key, export_result.content], "config": config, "tools": tools}
-    return Work(spec.name, "validate", parts, CODE, produce, inputs={"export": export_result.key}, config=config,
+    parts = {"upstream": [export_result.key, export_result.content], "config": settings, "tools": tools}
+    return Work(pipeline, "validate", parts, CODE, produce, inputs={"export": export_result.key}, config=settings,
                 tools=tools)
 
 
-def _config(spec: PipelineSpec) -> dict[str, Any]:
-    data = spec.resolve(spec.accuracy.data)
-    return {"validation": spec.validation, "profiles": spec.profiles, "error_stat": ERROR_STAT,
-            "data": {"path": spec.accuracy.data, "sha256": file_digest(data)}}
+def _settings(config: ValidateConfig) -> dict[str, Any]:
+    return {"validation": config.validation, "profiles": list(config.profiles), "error_stat": ERROR_STAT,
+            "data": {"path": config.data, "sha256": file_digest(config.data_path)}}
 
 
-def _shape_points(spec: PipelineSpec) -> dict[str, dict[str, int]]:
+def _shape_points(config: ValidateConfig) -> dict[str, dict[str, int]]:
     """min/opt/max of every profile (named profile<i>.<point> when there are several).
 
     Decoders with a KV cache also get a `prefill` point (empty past, longest seq): a profile may
     start at past >= 1, yet the first step of every generation runs with no past at all.
     """
-    single = len(spec.profiles) == 1
+    profiles = config.profiles
+    single = len(profiles) == 1
     points = {(point if single else f"profile{i}.{point}"): shape
-              for i, profile in enumerate(spec.profiles) for point, shape in profile.shapes().items()}
-    if spec.model.has_past:
-        first = spec.profiles[0]
+              for i, profile in enumerate(profiles) for point, shape in profile.shapes().items()}
+    if config.source.model.has_past:
+        first = profiles[0]
         points["prefill"] = {"batch": first.batch[1], "seq": first.seq[2], "past": 0}
     return points
 
@@ -147,7 +167,7 @@ def _describe_failure(output: str, point: str, shape: dict[str, int], stats: dic
             f"max_rel {stats['max_rel']:.3g} exceed atol {stats['atol']:g} / rtol {stats['rtol']:g}")
 
 
-def compare(spec: PipelineSpec, export_result: StageResult) -> dict[str, Any]:
+def compare(config: ValidateConfig, export_result: StageResult) -> dict[str, Any]:
     """Run ONNX Runtime and PyTorch on the same real inputs at every shape point; the report, pass or fail."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator, SimpleCompareFunc
@@ -155,20 +175,21 @@ def compare(spec: PipelineSpec, export_result: StageResult) -> dict[str, Any]:
 
     inputs = export_result.outputs["inputs"]
     input_names = list(inputs)
-    tokenizer, reference = load_tokenizer(spec), load_reference(spec)
-    texts = read_texts(spec.resolve(spec.accuracy.data))
-    points = _shape_points(spec)
-    feeds = [point_feeds(spec, tokenizer, reference, texts, shape, input_names) for shape in points.values()]
+    model, validation = config.source.model, config.validation
+    tokenizer, reference = load_tokenizer(config.source), load_reference(config.source)
+    texts = read_texts(config.data_path)
+    points = _shape_points(config)
+    feeds = [point_feeds(model, tokenizer, reference, texts, shape, input_names) for shape in points.values()]
     onnx_runner = OnnxrtRunner(SessionFromOnnx(str(export_result.file("model.onnx")), providers=["cpu"]),
                                name="onnxruntime")
-    torch_runner = torch_reference_runner(reference, spec.model.task, inputs)
+    torch_runner = torch_reference_runner(reference, model.task, inputs)
     with G_LOGGER.verbosity(G_LOGGER.ERROR):
         run_results = Comparator.run([onnx_runner, torch_runner], data_loader=feeds)
         finite = Comparator.validate(run_results, check_nan=True, check_inf=True)
-        tolerances = {name: spec.validation.tolerance(name) for name in run_results[torch_runner.name][0]}
+        tolerances = {name: validation.tolerance(name) for name in run_results[torch_runner.name][0]}
         compare_func = SimpleCompareFunc(
-            atol={"": spec.validation.atol, **{name: t.atol for name, t in tolerances.items()}},
-            rtol={"": spec.validation.rtol, **{name: t.rtol for name, t in tolerances.items()}},
+            atol={"": validation.atol, **{name: t.atol for name, t in tolerances.items()}},
+            rtol={"": validation.rtol, **{name: t.rtol for name, t in tolerances.items()}},
             check_error_stat=ERROR_STAT, find_output_func=_reference_output)
         accuracy = Comparator.compare_accuracy(run_results, compare_func=compare_func)
     per_point = accuracy[0][(onnx_runner.name, torch_runner.name)]
@@ -188,4 +209,4 @@ def compare(spec: PipelineSpec, export_result: StageResult) -> dict[str, Any]:
 def run_validate(spec: PipelineSpec, export_result: StageResult, store: ArtifactStore,
                  force: bool = False) -> StageResult:
     """Compare the export with PyTorch; raise ValidationFailed (writing nothing) when it disagrees."""
-    return run_stage(validate_work(spec, export_result), store, force)
+    return run_stage(validate_work(ValidateConfig.of(spec), export_result), store, force)

@@ -11,7 +11,7 @@ import pytest
 from tasks import spec as spec_module
 from tasks.export import run_export
 from tasks.inputs import decoder_feeds, encoder_feeds, read_texts, reference_outputs
-from tasks.models import load_reference, load_tokenizer
+from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.store import ArtifactStore
 from tests.fixtures.models import write_pipelines
 
@@ -28,7 +28,7 @@ def llama(tiny_llama_dir, tmp_path_factory):
     pipelines = write_pipelines(root, tiny_llama_dir, "text-generation-with-past")
     spec = spec_module.load(pipelines).pipelines["tiny"]
     export = run_export(spec, ArtifactStore(root / "artifacts"))
-    return spec, load_tokenizer(spec), load_reference(spec), export
+    return spec, load_tokenizer(ModelSource.of(spec)), load_reference(ModelSource.of(spec)), export
 
 
 def test_read_texts_skips_blank_lines_and_names_the_file_when_short(tmp_path):
@@ -111,7 +111,7 @@ def test_onnx_decoder_matches_reference_for_prefill_and_decode(llama, batch, seq
 
 def test_reference_outputs_are_named_like_the_encoder_export(tiny_bert_dir, pipeline_factory):
     spec = spec_module.load(pipeline_factory(tiny_bert_dir, "feature-extraction")).pipelines["tiny"]
-    feeds = encoder_feeds(load_tokenizer(spec), TEXTS, batch=2, seq=10, input_names=BERT_INPUTS)
-    outputs = reference_outputs(load_reference(spec), feeds, spec.model.task)
+    feeds = encoder_feeds(load_tokenizer(ModelSource.of(spec)), TEXTS, batch=2, seq=10, input_names=BERT_INPUTS)
+    outputs = reference_outputs(load_reference(ModelSource.of(spec)), feeds, spec.model.task)
     assert list(outputs) == ["last_hidden_state"]
     assert outputs["last_hidden_state"].shape == (2, 10, 32) and outputs["last_hidden_state"].dtype == np.float32

@@ -18,7 +18,7 @@ from tasks import spec as spec_module
 from tasks.accuracy import cosine, mean_pool
 from tasks.export import run_export
 from tasks.inputs import encoder_feeds, read_texts
-from tasks.models import load_tokenizer
+from tasks.models import ModelSource, load_tokenizer
 from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, precision_key, run_precision
 from tasks.store import ArtifactStore
 from tests.fixtures.models import MINILM_TOKENIZER_FILES
@@ -84,7 +84,7 @@ def built(outlier_bert_dir, tmp_path_factory):
 def _eval_cosine_mean(spec, exported, graph: Path) -> float:
     """cosine_mean on the held-out text (not what the fallback measured on): what the accuracy gate reads."""
     texts = read_texts(spec.resolve(spec.accuracy.data), limit=32)
-    feeds = encoder_feeds(load_tokenizer(spec), texts, 32, 32, exported.outputs["inputs"])
+    feeds = encoder_feeds(load_tokenizer(ModelSource.of(spec)), texts, 32, 32, exported.outputs["inputs"])
     mask = feeds["attention_mask"]
 
     def run(path: Path) -> np.ndarray:

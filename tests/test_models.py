@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from tasks import spec as spec_module
-from tasks.models import load_reference, load_tokenizer, model_source_digest
+from tasks.models import ModelSource, load_reference, load_tokenizer, model_source_digest
 from tasks.store import tree_digest
 from tests.fixtures.models import load_llama_maker
 
@@ -19,9 +19,13 @@ def _spec(pipeline_factory, model_dir, task):
     return spec_module.load(pipeline_factory(model_dir, task)).pipelines["tiny"]
 
 
+def _source(pipeline_factory, model_dir, task):
+    return ModelSource.of(_spec(pipeline_factory, model_dir, task))
+
+
 def test_reference_is_fp32_eval_model_for_the_task(tiny_bert_dir, tiny_llama_dir, pipeline_factory):
-    encoder = load_reference(_spec(pipeline_factory, tiny_bert_dir, "feature-extraction"))
-    decoder = load_reference(_spec(pipeline_factory, tiny_llama_dir, "text-generation-with-past"))
+    encoder = load_reference(_source(pipeline_factory, tiny_bert_dir, "feature-extraction"))
+    decoder = load_reference(_source(pipeline_factory, tiny_llama_dir, "text-generation-with-past"))
     assert type(encoder).__name__ == "BertModel"
     assert isinstance(decoder, LlamaForCausalLM)
     for model in (encoder, decoder):
@@ -37,17 +41,17 @@ def test_decoder_tokenizer_without_pad_pads_with_eos(tiny_llama_dir, pipeline_fa
         config = json.loads((no_pad / name).read_text())
         config.pop("pad_token", None)
         (no_pad / name).write_text(json.dumps(config))
-    tokenizer = load_tokenizer(_spec(pipeline_factory, no_pad, "text-generation-with-past"))
+    tokenizer = load_tokenizer(_source(pipeline_factory, no_pad, "text-generation-with-past"))
     assert tokenizer.pad_token == tokenizer.eos_token == "</s>"
-    assert load_tokenizer(_spec(pipeline_factory, tiny_llama_dir, "text-generation")).pad_token == "<pad>"
+    assert load_tokenizer(_source(pipeline_factory, tiny_llama_dir, "text-generation")).pad_token == "<pad>"
 
 
 def test_source_digest_follows_local_files_and_pins_hub_revision(tiny_bert_dir, pipeline_factory, tmp_path):
     spec = _spec(pipeline_factory, tiny_bert_dir, "feature-extraction")
-    assert model_source_digest(spec) == tree_digest(tiny_bert_dir)
+    assert model_source_digest(ModelSource.of(spec)) == tree_digest(tiny_bert_dir)
     hub = spec.model_copy(update={"model": spec.model.model_copy(
         update={"id": "org/model", "path": None, "revision": "abc123"})})
-    assert model_source_digest(hub) == "hub:org/model@abc123"
+    assert model_source_digest(ModelSource.of(hub)) == "hub:org/model@abc123"
 
 
 def test_missing_model_dir_is_named(tiny_bert_dir, pipeline_factory, tmp_path):
@@ -55,7 +59,7 @@ def test_missing_model_dir_is_named(tiny_bert_dir, pipeline_factory, tmp_path):
     spec = _spec(pipeline_factory, tmp_path / "model", "feature-extraction")
     (tmp_path / "model" / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'model'} has no config.json"):
-        load_reference(spec)
+        load_reference(ModelSource.of(spec))
 
 
 def test_tiny_llama_maker_is_deterministic(tmp_path):
@@ -83,4 +87,4 @@ def test_weights_that_do_not_fit_the_config_are_refused_not_randomized(tiny_bert
     spec = _spec(pipeline_factory, model, "feature-extraction")
     with pytest.raises(ValueError, match=r"do not fit its config.json and task feature-extraction: \d+ tensors are "
                                          r"missing \(embeddings\.LayerNorm\.bias, "):
-        load_reference(spec)
+        load_reference(ModelSource.of(spec))

@@ -15,7 +15,7 @@ import yaml
 from tasks import spec as spec_module
 from tasks.export import run_export
 from tasks.inputs import encoder_feeds, read_texts
-from tasks.models import load_tokenizer
+from tasks.models import ModelSource, load_tokenizer
 from tasks.precision import (
     CALIBRATION_FILE,
     CPU_MODEL_FILE,
@@ -71,7 +71,7 @@ def _run(path: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
 def eval_feeds(bert):
     spec, _, exported, _ = bert
     texts = read_texts(spec.resolve(spec.accuracy.data), limit=8)
-    return encoder_feeds(load_tokenizer(spec), texts, 8, 32, exported.outputs["inputs"])
+    return encoder_feeds(load_tokenizer(ModelSource.of(spec)), texts, 8, 32, exported.outputs["inputs"])
 
 
 def _cosines(reference: np.ndarray, other: np.ndarray, mask: np.ndarray) -> np.ndarray:
