@@ -74,12 +74,11 @@ def test_a_replaced_measurement_updates_the_versions_tags_description_and_card(t
 def test_a_card_rewrite_replaces_each_section_it_is_given_and_nothing_else() -> None:
     """A re-measurement rewrites the card's key metrics and, where the pipeline plans capacity, its capacity
     plan (figures of the same measurement); the other sections stay as they were."""
-    mlflow.set_experiment(f"card-{uuid.uuid4().hex[:8]}")
-    with mlflow.start_run() as run:
-        run_id = run.info.run_id
+    client = MlflowClient()  # not mlflow.set_experiment: the process's active experiment is the pipelines' to set
+    run_id = client.create_run(client.create_experiment(f"card-{uuid.uuid4().hex[:8]}")).info.run_id
     card = ("# enc/fp32/cpu\n\nStatus: **promoted**\n\n## Key metrics\n\n| throughput | 400 |\n\n"
             "## Capacity plan\n\nAnswer: **7 GPUs**\n\n## Identity\n\n| model | enc |\n")
-    MlflowClient().log_text(run_id, card, "engine_card.md")
+    client.log_text(run_id, card, "engine_card.md")
     before = tracking.replace_card_sections(run_id, [["## Key metrics", "", "| throughput | 480 |"],
                                                      ["## Capacity plan", "", "Answer: **5 GPUs**"]])
     assert before == card
@@ -87,7 +86,7 @@ def test_a_card_rewrite_replaces_each_section_it_is_given_and_nothing_else() -> 
     assert now == card.replace("| throughput | 400 |", "| throughput | 480 |").replace("**7 GPUs**", "**5 GPUs**")
 
     without = "# enc/fp32/cpu\n\n## Key metrics\n\n| throughput | 480 |\n\n## Identity\n\n| model | enc |\n"
-    MlflowClient().log_text(run_id, without, "engine_card.md")
+    client.log_text(run_id, without, "engine_card.md")
     tracking.replace_card_sections(run_id, [["## Key metrics", "", "| throughput | 500 |"],
                                             ["## Capacity plan", "", "Answer: **5 GPUs**"]])
     assert mlflow.artifacts.load_text(f"runs:/{run_id}/engine_card.md") == without.replace("480", "500"), \
