@@ -43,7 +43,7 @@ def test_the_table_loads_the_inductor_backend_built_from_torch() -> None:
     assert BACKENDS["inductor"].source == "torch"
     backend = get_backend("inductor")
     assert isinstance(backend, InductorBackend) and backend.version() == torch.__version__
-    with pytest.raises(TypeError, match="builds from the HF model directory .* build_from_model"):
+    with pytest.raises(TypeError, match="builds from the model's own files .* call build_from_model"):
         backend.build(Path("model.onnx"), None, [], Path("."), Path("."))
 
 

@@ -171,14 +171,16 @@ class Backend(abc.ABC):
 
         The facts include `engine_bytes`: the engine's own size, without sidecars or caches.
         """
-        raise TypeError(f"backend {self.name} builds from {type(target).source}, not ONNX")
+        raise TypeError(f"backend {self.name} builds from the model's own files (source 'torch'), not from "
+                        f"{onnx_path.name}: call build_from_model")
 
     def build_from_model(self, model_dir: Path, task: str, precision: str, target: TargetSpec,
                          profiles: list[ProfileSpec], out_dir: Path,
                          calibration: Sequence[Mapping[str, np.ndarray]] | None = None) -> dict[str, Any]:
         """Like `build`, from the model's own files, for `precision`; `calibration` are whole-prompt
         feeds where `target.calibrates(precision)`."""
-        raise TypeError(f"backend {self.name} builds from {type(target).source}, not from the model")
+        raise TypeError(f"backend {self.name} builds from the precision stage's ONNX (source 'onnx'), not from "
+                        f"{model_dir}: call build")
 
     @abc.abstractmethod
     def load(self, engine_dir: Path, target: TargetSpec) -> Runner:

@@ -481,15 +481,6 @@ class InductorBackend(Backend):
             return gpu.facts() if gpu else {}
         return {"machine": platform.machine()}
 
-    def source_model(self, precision_dir: Path) -> Path:
-        raise TypeError("the inductor backend builds from the HF model directory (source 'torch'), not ONNX: "
-                        "call build_from_model")
-
-    def build(self, onnx_path: Path, target: TargetSpec, profiles: list[ProfileSpec], out_dir: Path,
-              cache_dir: Path) -> dict[str, Any]:
-        raise TypeError("the inductor backend builds from the HF model directory (source 'torch'), not "
-                        f"{onnx_path.name}: call build_from_model")
-
     def build_from_model(self, model_dir: Path, task: str, precision: str, target: TargetSpec,
                          profiles: list[ProfileSpec], out_dir: Path,
                          calibration: Sequence[Mapping[str, np.ndarray]] | None = None) -> dict[str, Any]:
