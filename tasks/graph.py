@@ -41,7 +41,7 @@ class Step:
         needs: the outputs it is computed from, in the order `work` takes them.
         work: the stage's description of this output, given the outputs it needs; None for a judging
             step, which produces no artifact and runs every time.
-        target: the target it runs for (build, accuracy, benchmark), whose backend may be missing here.
+        target: the target it runs for (build, accuracy, benchmark, gate), whose backend may be missing here.
         reads: for a judging step, what it decides from (shown by `smelter plan`).
     """
 
