@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGES = ("tasks", "flows")
@@ -41,8 +42,20 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
 
 
+def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in `tree`, at any depth, outside TYPE_CHECKING blocks (they never run)."""
+    if isinstance(tree, ast.If) and _type_checking(tree):
+        for child in tree.orelse:
+            yield from _import_nodes(child)
+        return
+    if isinstance(tree, (ast.Import, ast.ImportFrom)):
+        yield tree
+    for child in ast.iter_child_nodes(tree):
+        yield from _import_nodes(child)
+
+
 def _imports(tree: ast.AST, name: str, is_package: bool, known: dict[str, Path]) -> set[str]:
-    """The modules of `known` that module `name` imports, at any depth, outside TYPE_CHECKING blocks."""
+    """The modules of `known` that module `name` imports."""
     found: set[str] = set()
     package = name if is_package else name.rpartition(".")[0]
 
@@ -51,47 +64,30 @@ def _imports(tree: ast.AST, name: str, is_package: bool, known: dict[str, Path])
             module = module.rpartition(".")[0]
         return module or None
 
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in _import_nodes(tree):
         if isinstance(node, ast.Import):
             found.update(m for alias in node.names if (m := resolve(alias.name)))
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            for alias in node.names:
-                target = resolve(f"{base}.{alias.name}") if f"{base}.{alias.name}" in known else resolve(base)
-                if target:
-                    found.add(target)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*anchor, base] if base else anchor)
+        for alias in node.names:
+            target = resolve(f"{base}.{alias.name}") if f"{base}.{alias.name}" in known else resolve(base)
+            if target:
+                found.add(target)
     found.discard(name)
     return found
 
 
 def libraries(tree: ast.AST) -> set[str]:
-    """The top-level names of the absolute imports in `tree`, outside TYPE_CHECKING blocks."""
+    """The top-level names of the absolute imports in `tree`."""
     found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in _import_nodes(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+        elif not node.level and node.module:
             found.add(node.module.split(".")[0])
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
     return found
 
 
