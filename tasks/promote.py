@@ -237,10 +237,7 @@ def _refresh_measurement(spec: PipelineSpec, name: str, version: tracking.Regist
     tracking.set_version_description(name, version.version, _version_description(outcome))
     undo.add(f"restore the description of {name} version {version.version}",
              lambda: tracking.set_version_description(name, version.version, old_description))
-    measured_metrics = stage_metrics(outcome.stages)
-    sections = [tracking.metrics_section(key_metrics(measured_metrics), measured)]
-    if spec.capacity is not None:
-        sections.append(tracking.capacity_section(spec, outcome, measured_metrics, f"{name} v{version.version}"))
+    sections = tracking.measured_sections(spec, outcome, stage_metrics(outcome.stages), f"{name} v{version.version}")
     card = tracking.replace_card_sections(version.run_id, sections) if version.run_id != outcome.run_id else None
     if card is not None:
         undo.add(f"restore the engine card of {name} version {version.version}",

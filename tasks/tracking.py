@@ -9,8 +9,7 @@ package).
 from __future__ import annotations
 
 from tasks.registry.candidates import candidate_outcomes, log_candidate, record_gates
-from tasks.registry.card import (capacity_section, engine_card, finish_candidate, metrics_section,
-                                 replace_card_sections, restore_card)
+from tasks.registry.card import engine_card, finish_candidate, measured_sections, replace_card_sections, restore_card
 from tasks.registry.client import shown_uri, store_problem, tracking_server, tracking_uri
 from tasks.registry.runs import (MAX_TAG_CHARS, OWNER_TAG, describe_pipeline_run, experiment_name, log_directory,
                                  log_summary_figure, owner_tag, pipeline_run, run_metrics, run_url)

@@ -40,14 +40,23 @@ def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str
         lines += [f"Error in stage `{outcome.failed_stage}`: {outcome.error}", ""]
     lines += ["## Gates", "", "| gate | passed | reasons |", "|---|---|---|"]
     lines += [f"| {g.gate} | {'yes' if g.passed else 'no'} | {'; '.join(g.reasons)} |" for g in outcome.gates]
-    lines += ["", *metrics_section(key_metrics(metrics), measurement(outcome))]
-    if spec.capacity is not None:
-        lines += ["", *capacity_section(spec, outcome, metrics)]
+    for section in measured_sections(spec, outcome, metrics):
+        lines += ["", *section]
     lines += ["", "## Identity", "", "| key | value |", "|---|---|"]
     lines += [f"| {k} | {tags[k]} |" for k in ("model", "precision", "target", "arch", "backend",
                                                "backend_version", "cache_key") if k in tags]
     lines += [f"| stage {name} | {stage.key} |" for name, stage in outcome.stages.items()]
     return "\n".join(lines) + "\n"
+
+
+def measured_sections(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str, float],
+                      source: str | None = None) -> list[list[str]]:
+    """The card's sections made from the measurement, which a re-measurement rewrites: the key metrics, dated,
+    and, where the pipeline sets `capacity:`, the capacity plan (`source` names the figures' version)."""
+    sections = [metrics_section(key_metrics(metrics), measurement(outcome))]
+    if spec.capacity is not None:
+        sections.append(capacity_section(spec, outcome, metrics, source))
+    return sections
 
 
 def metrics_section(metrics: dict[str, float], measured: dict[str, str]) -> list[str]:
