@@ -4,7 +4,9 @@ The rules (README, "How smelter decides"), applied per (pipeline, target):
 - Only a candidate that passed every gate may take the alias.
 - The champion's engine is the candidate with its very bytes (tasks/champion.py `same_engine`); a
   rebuild from the same inputs with other bytes is a challenger, measured against it like any other.
-- With no champion, the fastest passing candidate takes it (all were timed in the same rounds).
+- With no champion, the fastest passing candidate takes it (all were timed in the same rounds); when
+  its lead over another passing candidate is within noise (their side-by-side 95% interval holds 1),
+  the higher precision of those tied takes it, so a first crowning does not follow the noise.
 - When the champion fails today's gates, or its engine cannot run on this machine any more (its
   backend is missing, or an EngineMismatch of any backend), the fastest passing candidate takes it.
   A champion candidate that errored for any other reason moves nothing.
@@ -45,6 +47,39 @@ def _speed(outcome: CandidateOutcome, champion_label: str | None) -> float:
     if champion_label is not None:
         return 1.0 if outcome.candidate.name == champion_label else point.get("vs_champion", float("-inf"))
     return point.get("speedup_vs_reference", float("-inf"))
+
+
+# Which of candidates tied on speed takes the alias first: the widest number format, the safest engine
+PRECISION_PREFERENCE = ("fp32", "bf16", "fp16", "fp8", "int8")
+
+
+def _lead(best: CandidateOutcome, other: CandidateOutcome) -> tuple[float, float, float] | None:
+    """How many times as fast `best` is as `other` at the gate point (ratio, 95% interval), read from the
+    rounds that timed both side by side; None where they were not."""
+    point, benchmark = _gate_point(best), best.stages.get("benchmark")
+    names = best.candidate.name, other.candidate.name
+    for row in (benchmark.outputs.get("comparisons") or []) if benchmark else []:
+        if row["step"] != "prefill" or (row["batch"], row["seq"]) != (point.get("batch"), point.get("seq")):
+            continue
+        if (row["engine"], row["versus"]) == names:
+            return row["ratio"], row["ci_low"], row["ci_high"]
+        if (row["engine"], row["versus"]) == names[::-1]:
+            return 1 / row["ratio"], 1 / row["ci_high"], 1 / row["ci_low"]
+    return None
+
+
+def _first_pick(passing: list[CandidateOutcome], best: CandidateOutcome) -> tuple[CandidateOutcome, str | None]:
+    """Who takes an alias that no measured champion defends: `best` unless its lead over another passing
+    candidate is within noise, then the higher precision of those tied (with the sentence that says so)."""
+    ties = {o.candidate.name: lead for o in passing if o is not best
+            and (lead := _lead(best, o)) is not None and lead[1] <= 1}
+    if not ties:
+        return best, None
+    tied = [best] + [o for o in passing if o.candidate.name in ties]
+    rank = {p: i for i, p in enumerate(PRECISION_PREFERENCE)}
+    taker = min(tied, key=lambda o: rank.get(o.candidate.precision, len(rank)))
+    shown = ", ".join(f"{name} {r:.3g}x [{lo:.3g}, {hi:.3g}]" for name, (r, lo, hi) in ties.items())
+    return taker, f"a tie on speed ({best.candidate.name} vs {shown}: the interval holds 1), so the higher precision takes it"
 
 
 def _comparison(outcome: CandidateOutcome, champion: Champion) -> dict[str, Any] | None:
@@ -124,10 +159,18 @@ def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion
         outcome.decision = Decision(reason, take, comparisons.get(outcome.candidate.name), holds or take,
                                     champion.version if champion else None)
 
-    if champion is None:
+    first, tie = _first_pick(passing, best)
+
+    def crown(why: str) -> None:
+        """Give the alias to `first`, as nothing defends it."""
         for outcome in passing:
-            decide(outcome, "no champion yet: fastest passing candidate" if outcome is best
-                   else f"no champion yet: {best.candidate.name} is faster", outcome is best)
+            if outcome is first:
+                decide(outcome, f"{why}: {tie or 'fastest passing candidate'}", take=True)
+            else:
+                decide(outcome, f"{why}: {first.candidate.name} " + ("takes it (a tie on speed)" if tie else "is faster"))
+
+    if champion is None:
+        crown("no champion yet")
         return
     if measured and measured.get("version") not in (None, champion.version):
         why = (f"the champion measured, v{measured['version']}, is not v{champion.version}, which held the alias when "
@@ -139,27 +182,24 @@ def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion
         mismatch = says_cannot_run_here(holder.error or "")
         why = f"champion v{champion.version} " + (f"cannot run here ({holder.error})" if mismatch
                                                    else f"errored today ({holder.error}), so it was not judged")
+        if mismatch:
+            crown(why)
+            return
         for outcome in passing:
-            take = bool(mismatch) and outcome is best
-            decide(outcome, f"{why}: fastest passing candidate" if take else f"{why}: nothing moves" if not mismatch
-                   else f"{why}: {best.candidate.name} is faster", take)
-        if not mismatch:
-            holder.decision = Decision(f"{holder.error} (still holds the alias: an error is no verdict)",
-                                       holds_alias=True)
+            decide(outcome, f"{why}: nothing moves")
+        holder.decision = Decision(f"{holder.error} (still holds the alias: an error is no verdict)", holds_alias=True)
         return
     if holder is not None and not holder.passed_gates:
-        why = f"champion v{champion.version} fails today's gates"
-        for outcome in passing:
-            decide(outcome, f"{why}: fastest passing candidate" if outcome is best
-                   else f"{why}: {best.candidate.name} is faster", outcome is best)
+        crown(f"champion v{champion.version} fails today's gates")
         return
     if measured and measured.get("unavailable"):
         permanent = measured.get("permanent", False)
         why = f"champion v{champion.version} cannot run here ({measured['unavailable']})"
-        for outcome in passing:
-            take = permanent and outcome is best
-            decide(outcome, f"{why}: fastest passing candidate" if take
-                   else f"{why}: nothing moves" if not permanent else f"{why}: {best.candidate.name} is faster", take)
+        if permanent:
+            crown(why)
+        else:
+            for outcome in passing:
+                decide(outcome, f"{why}: nothing moves")
         return
     verdicts = {o.candidate.name: _verdict(spec, c) for o in passing if (c := comparisons.get(o.candidate.name))}
     taker = best if verdicts.get(best.candidate.name, (False,))[0] else None

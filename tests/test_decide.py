@@ -28,14 +28,16 @@ CHAMPION = Champion("enc-cpu", "3", "run-3", "key-fp32", "fp32")
 
 def candidate(precision: str, *, speedup: float = 2.0, vs_champion: tuple[float, float, float] | None = None,
               conclusive: bool = True, passed: bool = True, key: str | None = None,
-              champion: dict[str, Any] | None = None) -> CandidateOutcome:
-    """A gated candidate whose target benchmark measured it at batch 8 (the throughput gate point)."""
+              champion: dict[str, Any] | None = None, comparisons: list[dict[str, Any]] | None = None
+              ) -> CandidateOutcome:
+    """A gated candidate whose target benchmark measured it at batch 8 (the throughput gate point);
+    `comparisons`: the target's side-by-side ratios, as the benchmark stage shares them."""
     point = {"batch": 8, "seq": 16, "p50_ms": 10.0, "speedup_vs_reference": speedup,
              "speedup_vs_reference_ci": [speedup * 0.97, speedup * 1.03], "speedup_vs_reference_conclusive": True}
     if vs_champion is not None:
         ratio, low, high = vs_champion
         point |= {"vs_champion": ratio, "vs_champion_ci": [low, high], "vs_champion_conclusive": conclusive}
-    outputs = {"points": [point], "gate_point": point, "champion": champion}
+    outputs = {"points": [point], "gate_point": point, "champion": champion, "comparisons": comparisons or []}
     stages = {"build": StageResult("enc", "build", key or f"key-{precision}", Path("."), {"outputs": {}}),
               "benchmark": StageResult("enc", "benchmark", "bench", Path("."), {"outputs": outputs})}
     gates = [GateResult("accuracy", passed, () if passed else ("cosine_mean 0.9 < min 0.99",))]
@@ -59,6 +61,37 @@ def test_without_a_champion_the_fastest_passing_candidate_takes_the_alias() -> N
     assert result["int8"][:2] == (True, True) and result["int8"][2].startswith("no champion yet")
     assert result["fp32"] == (False, False, "no champion yet: enc/int8/cpu is faster")
     assert result["fp16"] == (False, False, "accuracy: cosine_mean 0.9 < min 0.99")
+
+
+def side_by_side(engine: str, versus: str, ratio: float, low: float, high: float) -> dict[str, Any]:
+    """A row of the benchmark's comparison table at the gate point: `engine` is `ratio` times as fast as `versus`."""
+    return {"step": "prefill", "batch": 8, "seq": 16, "past": 0, "engine": f"enc/{engine}/cpu",
+            "versus": f"enc/{versus}/cpu", "ratio": ratio, "ci_low": low, "ci_high": high, "conclusive": True}
+
+
+@pytest.mark.parametrize("lead, taker", [((1.03, 0.97, 1.09), "fp32"), ((1.20, 1.12, 1.28), "int8")])
+def test_a_first_champion_is_not_crowned_on_noise(lead: tuple[float, float, float], taker: str) -> None:
+    """int8's point estimate is ahead; its lead over fp32, measured side by side, decides: within noise
+    (interval holds 1) the higher precision takes the alias, a lead beyond noise goes to the faster."""
+    table = [side_by_side("int8", "fp32", *lead)]
+    result = run(candidate("fp32", speedup=3.6, comparisons=table), candidate("int8", speedup=3.7, comparisons=table),
+                 champion=None)
+    assert [p for p, (take, _, _) in result.items() if take] == [taker]
+    if taker == "fp32":
+        assert result["fp32"][2] == ("no champion yet: a tie on speed (enc/int8/cpu vs enc/fp32/cpu 1.03x [0.97, 1.09]: "
+                                     "the interval holds 1), so the higher precision takes it")
+        assert result["int8"][2] == "no champion yet: enc/fp32/cpu takes it (a tie on speed)"
+    else:
+        assert result["int8"][2] == "no champion yet: fastest passing candidate"
+        assert result["fp32"][2] == "no champion yet: enc/int8/cpu is faster"
+
+
+def test_a_tie_read_the_other_way_round_in_the_table_is_a_tie_too() -> None:
+    """The table may hold the pair either way round: fp32 0.97x [0.92, 1.03] of int8 is the same tie."""
+    table = [side_by_side("fp32", "int8", 0.97, 0.92, 1.03)]
+    result = run(candidate("fp32", speedup=3.6, comparisons=table), candidate("int8", speedup=3.7, comparisons=table),
+                 champion=None)
+    assert result["fp32"][:2] == (True, True) and "a tie on speed" in result["fp32"][2]
 
 
 def test_the_candidate_with_the_champions_build_key_is_the_champion_and_nothing_moves() -> None:
