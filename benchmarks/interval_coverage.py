@@ -9,7 +9,8 @@ penalty for the slot that runs right after the other engine (order effect), heav
 
 Two figures per scenario: coverage at a fixed number of rounds n (from MIN_ROUNDS, the fewest rounds
 with a 95% interval, up to 60), and coverage where the sequential rule really stops (the first n
-from min_rounds at which the interval is within ±precision, else the last). The bar: ≥ 93%.
+from min_rounds at which the interval is within ±precision, else the last, through tasks/measure.py's
+own Rounds, which keep the largest widening for alike rounds seen at any look). The bar: ≥ 93%.
 
     .venv/bin/python benchmarks/interval_coverage.py            # ~1 min
     .venv/bin/python benchmarks/interval_coverage.py --trials 4000
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tasks.measure import slot_orders
-from tasks.stats import MIN_ROUNDS, paired_ratio
+from tasks.measure import Rounds, slot_orders
+from tasks.stats import MIN_ROUNDS, Ratio, paired_ratio
 
 TRUE_RATIO = 1.25  # engine b is 1.25x as fast as engine a
 SIZES = (2, 3, 4, 5, MIN_ROUNDS, 7, 8, 10, 12, 15, 20, 30, 45, 60)
@@ -82,6 +83,20 @@ def simulate(rng: np.random.Generator, scenario: Scenario, rounds: int) -> tuple
     return out["a"], out["b"]
 
 
+def stop(a: np.ndarray, b: np.ndarray, min_rounds: int, precision: float) -> tuple[int, Ratio]:
+    """Where tasks/measure.py's rule stops on these rounds, and the ratio it reports there: a look after every
+    round from the floor on (Rounds.look keeps the largest widening seen), the first conclusive one stops."""
+    rounds = Rounds(["a", "b"], {"a": 1, "b": 1}, {"a": [], "b": []}, pairs=[("a", "b")])
+    for n in range(1, a.size + 1):
+        rounds.samples_ms["a"].append([float(a[n - 1])])
+        rounds.samples_ms["b"].append([float(b[n - 1])])
+        if n >= max(min_rounds, MIN_ROUNDS):
+            rounds.look()
+            if rounds.conclusive(precision) or n == a.size:
+                break
+    return n, rounds.ratio("a", "b")
+
+
 def coverage(scenario: Scenario, trials: int, seed: int, min_rounds: int, precision: float) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     fixed = {n: 0 for n in SIZES}
@@ -94,12 +109,9 @@ def coverage(scenario: Scenario, trials: int, seed: int, min_rounds: int, precis
             covered = not ratio.excludes(TRUE_RATIO)
             fixed[n] += covered
             conclusive_wrong[n] += ratio.conclusive(precision) and not covered
-        for n in range(max(min_rounds, MIN_ROUNDS), max(SIZES) + 1):
-            ratio = paired_ratio(a[:n], b[:n])
-            if ratio.conclusive(precision) or n == max(SIZES):
-                stopped_cover += not ratio.excludes(TRUE_RATIO)
-                stops.append(n)
-                break
+        n, ratio = stop(a, b, min_rounds, precision)
+        stopped_cover += not ratio.excludes(TRUE_RATIO)
+        stops.append(n)
     return {"fixed": {n: fixed[n] / trials for n in SIZES},
             "wrong": {n: conclusive_wrong[n] / trials for n in SIZES},
             "stopped": stopped_cover / trials, "median_stop": float(np.median(stops))}

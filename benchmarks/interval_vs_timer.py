@@ -2,15 +2,16 @@
 
 Three engine pairs of a small BERT made here (random weights, 4 layers x 256 wide), as ONNX Runtime
 sessions: fp32 vs dynamic int8, fp32 vs fp32 with graph optimisations off, int8 vs fp32 at batch 1.
-Each repeat times a pair twice:
-- the stage's way: tasks/measure.py rounds (slot order, untimed round, early stop at ±precision)
-  and the tasks/stats.py ratio with its 95% interval;
-- independently: a plain timeit loop of its own (blocks of ~25 ms of calls, the engines' blocks alternating
-  ABBA), the median of the block-pair ratios with a percentile-bootstrap 95% interval over the pairs.
+Each repeat times a pair twice, one method after the other:
+- the stage's way: tasks/measure.py rounds (slot order, untimed round, rounds spanning at least
+  `--min-seconds`, early stop at ±precision) and the tasks/stats.py ratio with its 95% interval;
+- independently: a plain timeit loop of its own (blocks of ~25 ms of calls after two untimed ones, the
+  engines' blocks alternating ABBA; per block the median call, or with `--statistic mean` the mean one),
+  the median of the block-pair ratios with a moving-block bootstrap 95% interval over the pairs.
 It prints, per repeat, both ratios and whether each point estimate lies inside the other's interval.
 
-    .venv/bin/python benchmarks/interval_vs_timer.py              # about 2-3 minutes
-    .venv/bin/python benchmarks/interval_vs_timer.py --repeats 10 --threads 2
+    .venv/bin/python benchmarks/interval_vs_timer.py              # about 3 minutes
+    .venv/bin/python benchmarks/interval_vs_timer.py --repeats 10 --threads 1 --min-seconds 3 --seconds 6
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.measure import Contender, measure_rounds
+from tasks.spec import BenchmarkSpec
 from tasks.stats import paired_ratio
 
 BLOCK_MS = 25.0  # the independent timer's block, like a slot
@@ -74,10 +76,20 @@ def call_timer(call):
     return timer
 
 
-def independent(calls: dict[str, object], seconds: float, rng: np.random.Generator) -> tuple[float, float, float]:
+def moving_blocks(n: int, rng: np.random.Generator, resamples: int = 2000) -> np.ndarray:
+    """Indices of `resamples` moving-block bootstrap samples of n serial values, blocks of about n^(1/3)."""
+    length = max(1, round(n ** (1 / 3)))
+    starts = rng.integers(0, n - length + 1, (resamples, -(-n // length)))
+    return (starts[..., None] + np.arange(length)).reshape(resamples, -1)[:, :n]
+
+
+def independent(calls: dict[str, object], seconds: float, rng: np.random.Generator,
+                block_ms: float = BLOCK_MS, statistic: str = "median") -> tuple[float, float, float]:
     """A plain timeit loop, not the stage's code: blocks of calls, the two engines' blocks alternating (ABBA, so
     neither always runs first), each block pair one ratio; the median of the pairs' ratios (first / second) with a
-    percentile-bootstrap 95% interval over the pairs.
+    percentile-bootstrap 95% interval over the pairs, resampled in runs of consecutive pairs (a moving-block
+    bootstrap): the machine's state drifts over seconds, so neighbouring pairs are alike, and resampling pairs
+    one by one would give an interval too narrow to hold the next few seconds' ratio.
 
     (It used to time each engine alone for half the time, engine after engine: on a shared machine the load
     changed between the halves, and the bootstrap of each half's blocks, blind to that, gave a far too narrow
@@ -90,14 +102,26 @@ def independent(calls: dict[str, object], seconds: float, rng: np.random.Generat
             call()
         start = time.perf_counter()
         call()
-        number[name] = max(1, int(BLOCK_MS / max((time.perf_counter() - start) * 1e3, 1e-3)))
+        number[name] = max(1, int(block_ms / max((time.perf_counter() - start) * 1e3, 1e-3)))
 
     def block(name: str) -> float:
+        """One block's value, after two untimed calls (the first calls after the other engine ran pay for caches it
+        evicted, a cost an engine serving alone never pays): the mean call time (what throughput reads) or the
+        median one (what the stage reads of a slot, robust to a descheduled call)."""
         call, count = calls[name], number[name]
-        start = time.perf_counter()
+        call()
+        call()
+        if statistic == "mean":
+            start = time.perf_counter()
+            for _ in range(count):
+                call()
+            return (time.perf_counter() - start) * 1e3 / count
+        times = []
         for _ in range(count):
+            start = time.perf_counter()
             call()
-        return (time.perf_counter() - start) * 1e3 / count
+            times.append(time.perf_counter() - start)
+        return float(np.median(times)) * 1e3
 
     ratios, until = [], time.perf_counter() + seconds
     while time.perf_counter() < until or len(ratios) < 8:
@@ -105,7 +129,7 @@ def independent(calls: dict[str, object], seconds: float, rng: np.random.Generat
         got = {name: block(name) for name in order}
         ratios.append(got[names[0]] / got[names[1]])
     logs = np.log(np.array(ratios))
-    boots = np.median(rng.choice(logs, (2000, logs.size)), axis=1)
+    boots = np.median(logs[moving_blocks(logs.size, rng)], axis=1)
     return (float(np.exp(np.median(logs))), float(np.exp(np.percentile(boots, 2.5))),
             float(np.exp(np.percentile(boots, 97.5))))
 
@@ -113,10 +137,16 @@ def independent(calls: dict[str, object], seconds: float, rng: np.random.Generat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=3.0, help="max_seconds of the stage's rounds and the "
                         "independent timer's time per pair")
     parser.add_argument("--precision", type=float, default=0.03)
+    parser.add_argument("--min-rounds", type=int, default=10)
+    parser.add_argument("--min-seconds", type=float, default=BenchmarkSpec().min_seconds,
+                        help="the stage's rounds span at least this (benchmark.min_seconds)")
+    parser.add_argument("--statistic", choices=("median", "mean"), default="median",
+                        help="the independent timer's value per block: median call (the stage's estimand) or mean call")
+    parser.add_argument("--block-ms", type=float, default=BLOCK_MS, help="the independent timer's block length")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         models = make_models(Path(tmp))
@@ -127,15 +157,17 @@ def main() -> None:
         }
         rng = np.random.default_rng(0)
         agree = {name: 0 for name in pairs}
-        print(f"threads {args.threads}, budget {args.seconds:g}s per pair and method, precision ±{args.precision:.0%}")
+        print(f"threads {args.threads}, budget {args.seconds:g}s per pair and method, precision ±{args.precision:.0%}, "
+              f"independent blocks of {args.block_ms:g} ms, {args.statistic} call per block")
         for name, (first, second) in pairs.items():
             calls = {"a": session_call(first[0], args.threads, *first[1:]),
                      "b": session_call(second[0], args.threads, *second[1:])}
             for repeat in range(args.repeats):
                 rounds = measure_rounds([Contender(k, call_timer(c)) for k, c in calls.items()], [("a", "b")],
-                                        warmup=5, min_rounds=10, max_seconds=args.seconds, precision=args.precision)
+                                        warmup=5, min_rounds=args.min_rounds, max_seconds=args.seconds, precision=args.precision,
+                                        min_seconds=args.min_seconds)
                 staged = rounds.ratio("a", "b")
-                ratio, low, high = independent(calls, args.seconds, rng)
+                ratio, low, high = independent(calls, args.seconds, rng, args.block_ms, args.statistic)
                 inside = staged.low <= ratio <= staged.high and low <= staged.ratio <= high
                 agree[name] += inside
                 print(f"{name:<38} #{repeat + 1}: stage {staged.text()} ({staged.rounds} rounds)  "

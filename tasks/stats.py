@@ -34,6 +34,7 @@ class Ratio:
     low: float
     high: float
     rounds: int
+    widening: float = 1.0  # the factor the interval was widened by for consecutive rounds that are alike
 
     @property
     def half_width(self) -> float:
@@ -94,11 +95,14 @@ def _normal_quantile(p: float) -> float:
     return (low + high) / 2
 
 
-def paired_ratio(slower: Sequence[float], faster: Sequence[float], confidence: float = CONFIDENCE) -> Ratio:
+def paired_ratio(slower: Sequence[float], faster: Sequence[float], confidence: float = CONFIDENCE,
+                 widen_at_least: float = 1.0) -> Ratio:
     """How many times faster `faster` is than `slower`, from paired per-round times.
 
     `slower[i]` and `faster[i]` are the two engines' times in round i (the names only say which
-    way the ratio reads: the result is below 1 when `faster` is in fact slower).
+    way the ratio reads: the result is below 1 when `faster` is in fact slower). `widen_at_least`: the
+    widening for alike consecutive rounds is never below this (a measurement that looks after every round
+    passes the largest it has seen, see tasks/measure.py).
     """
     a = np.asarray(slower, dtype=np.float64)
     b = np.asarray(faster, dtype=np.float64)
@@ -111,9 +115,19 @@ def paired_ratio(slower: Sequence[float], faster: Sequence[float], confidence: f
     i, j = np.triu_indices(n)
     walsh = np.sort((d[i] + d[j]) / 2)
     k = _interval_rank(n, confidence)
-    centre, widen = float(np.median(walsh)), serial_inflation(d)
+    centre, widen = float(np.median(walsh)), max(serial_inflation(d), widen_at_least)
     return Ratio(ratio=math.exp(centre), low=math.exp(centre - widen * (centre - walsh[k - 1])),
-                 high=math.exp(centre + widen * (walsh[-k] - centre)), rounds=n)
+                 high=math.exp(centre + widen * (walsh[-k] - centre)), rounds=n, widening=widen)
+
+
+def looked_ratio(slower: Sequence[float], faster: Sequence[float], first_look: int) -> Ratio:
+    """The ratio as rounds that looked after every round from `first_look` on report it (tasks/measure.py): its
+    widening at least the largest seen at any look. A function of the samples alone, for a reader who recomputes
+    a published interval from the samples table."""
+    widest = 1.0
+    for m in range(max(first_look, 1), len(slower)):
+        widest = paired_ratio(slower[:m], faster[:m], widen_at_least=widest).widening
+    return paired_ratio(slower, faster, widen_at_least=widest)
 
 
 # Small-sample corrections of serial_inflation (seeded simulation, benchmarks/interval_coverage.py): with the

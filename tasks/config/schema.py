@@ -154,6 +154,10 @@ class BenchmarkSpec(_Strict):
     max_seconds: float = Field(40.0, gt=0, le=MAX_BENCHMARK_SECONDS,
                                description="time budget of the gate point (the one gates and decisions read); past "
                                            "it, inconclusive; never stops the rounds before min_rounds (and 6)")
+    min_seconds: float = Field(3.0, ge=0, le=MAX_BENCHMARK_SECONDS,
+                               description="the gate point's rounds span at least this (at most max_seconds): the "
+                                           "machine's state lasts seconds, and rounds crowded into less all see one "
+                                           "state, so their interval is narrow around a ratio the next run does not repeat")
     survey_seconds: float = Field(8.0, gt=0, le=MAX_BENCHMARK_SECONDS,
                                   description="time budget of every other shape point (reported, never decides)")
     precision: float = Field(0.05, gt=0, le=1, description="stop when every ratio's 95% interval is within ±this")
