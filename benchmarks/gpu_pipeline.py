@@ -243,14 +243,19 @@ def run_warm_start(engine: Path, target_json: str, shape_json: str, profile: boo
     runner.prefill(ids, torch.ones_like(ids))
     torch.cuda.synchronize()
     first_prefill = time.perf_counter() - started
+    problems = []
     for b, max_len in decode:
         session = runner.decoder(b, max_len)
         for pos in range(3):
             session.step(torch.zeros(b, 1, dtype=torch.long, device="cuda"), pos)
+        problems += [session.problem] if session.problem else []
     torch.cuda.synchronize()
     figures = {"load_s": round(loaded, 3), "load_and_first_prefill_s": round(first_prefill, 3),
                "load_and_first_inference_all_graphs_s": round(time.perf_counter() - started, 3),
-               "load_seconds_in_runner": round(runner.load_seconds, 3)}
+               "load_seconds_in_runner": round(runner.load_seconds, 3),
+               "precompiled_graphs_used": {"prefill": runner._prefill is None,
+                                           "decode": sorted(p.name for p in runner._pre_decode_used)},
+               "precompile_problems": runner.precompile_problems + problems}
     if profiler is not None:
         import io
         import pstats
@@ -327,6 +332,8 @@ def decoder_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
     facts = backend.build_from_model(model_dir, "text-generation", "bf16", InductorTarget(**target), profiles,
                                      engine_dir)
     facts["cold_build_s"] = round(time.perf_counter() - started, 3)
+    sidecar = json.loads((engine_dir / "engine.json").read_text())
+    facts.update({k: sidecar.get(k) for k in ("precompiled", "triton_kernels")})
     section["engine_build"] = facts
     report.add("decoder", section)
     runner = backend.load(engine_dir, InductorTarget(**target))
@@ -337,6 +344,7 @@ def decoder_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
     mask = torch.ones_like(ids)
     engine["prefill"] = timed(lambda: runner.prefill(ids, mask), 3, args.repeats)
     engine["prefill_kernels"] = gm.kernel_profile(lambda: runner.prefill(ids, mask))
+    engine["prefill_path"] = "precompiled" if runner._prefill is None else "torch.compile"
     for b in decode_batches:
         session = runner.decoder(b, max_len)
         if b == decode_batches[-1]:
@@ -344,6 +352,8 @@ def decoder_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
             engine["decode_vs_fp32"] = gm.logit_agreement(list(decode_ref.unbind(1)), outs)
         token = torch.randint(0, config["vocab_size"], (b, 1), device="cuda")
         engine[f"decode_b{b}"] = timed(lambda: session.step(token, past), 5, args.repeats)
+        engine[f"decode_b{b}_path"] = ("precompiled, own CUDA graph" if session._precompiled is not None
+                                       else f"torch.compile ({session.problem or 'no precompiled step'})")
         del session
     section["engine"] = engine
     section["summary"] = decoder_summary(section, batch, seq, decode_batches)

@@ -316,6 +316,57 @@ def test_a_compiled_engine_stores_its_weights_once_and_reloads_on_the_cpu(llama:
     # cached and (with CUDA graphs) recorded apart
     explained = torch._dynamo.explain(runner._prefill._orig_mod)(ids, torch.ones_like(ids))
     assert explained.graph_break_count == 0, explained.break_reasons
+    # Precompiled graphs (tasks/backends/precompiled.py): the shapes the build warmed load without
+    # reading the exported programs or tracing them
+    recorded = json.loads((engine / "engine.json").read_text())["precompiled"]
+    assert not recorded["failed"], recorded["failed"]
+    assert [e["file"] for e in recorded["prefill"]] == ["prefill-2x4.precompiled"]
+    assert [e["file"] for e in recorded["decode"]] == ["decode-b1-len12.precompiled", "decode-b2-len12.precompiled"]
+    torch.compiler.reset()
+    warm = backend.load(engine, target)
+    got = warm.infer({"input_ids": ids[:, :4].numpy(), "attention_mask": np.ones((2, 4), dtype=np.int64)})["logits"]
+    np.testing.assert_allclose(got, expected[:, 3].numpy(), rtol=1e-4, atol=1e-4)
+    session = warm.decoder(2, 12)
+    steps = torch.stack([session.step(ids[:, i:i + 1], i) for i in range(6)], dim=1)
+    torch.testing.assert_close(steps, expected, rtol=1e-4, atol=1e-4)
+    assert warm._prefill is None and warm._decode_graph is None, "neither exported program was read"
+    assert not warm.precompile_problems
+    assert [p.name for p in warm._pre_decode_used] == ["decode-b2-len12.precompiled"]
+    # a precompiled file that cannot be read: that shape goes through torch.compile, and the runner says why
+    (engine / "prefill-2x4.precompiled").write_bytes(b"not a precompiled function")
+    broken = backend.load(engine, target)
+    got = broken.infer({"input_ids": ids[:, :4].numpy(), "attention_mask": np.ones((2, 4), dtype=np.int64)})["logits"]
+    np.testing.assert_allclose(got, expected[:, 3].numpy(), rtol=1e-4, atol=1e-4)
+    assert broken._prefill is not None and len(broken.precompile_problems) == 1, broken.precompile_problems
+    assert broken.precompile_problems[0].startswith("prefill-2x4.precompiled: ")
+
+
+def test_smelters_triton_kernels_travel_with_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernel_bundle packs the Triton cache entries of smelter's own kernels and installs those a cache
+    lacks, its group file naming the installed files."""
+    from tasks.backends import kernel_bundle
+
+    built, fresh = tmp_path / "built-cache", tmp_path / "fresh-cache"
+    entry = built / "ABCDEF123"
+    entry.mkdir(parents=True)
+    (entry / "_gemv_kernel.json").write_text("{}")
+    (entry / "_gemv_kernel.cubin").write_bytes(b"\x7fELF")
+    (entry / "__grp___gemv_kernel.json").write_text(json.dumps({"child_paths": {
+        "_gemv_kernel.cubin": str(entry / "_gemv_kernel.cubin"), "_gemv_kernel.json": str(entry / "_gemv_kernel.json")}}))
+    (built / "OTHER").mkdir()
+    (built / "OTHER" / "triton_poi_fused.json").write_text("{}")
+    monkeypatch.setattr(kernel_bundle, "triton_cache_dir", lambda: built)
+    facts = kernel_bundle.pack(tmp_path / kernel_bundle.FILE)
+    assert facts["kernels"] == 1, facts
+    monkeypatch.setattr(kernel_bundle, "triton_cache_dir", lambda: fresh)
+    assert kernel_bundle.install(tmp_path / kernel_bundle.FILE) == 1
+    assert kernel_bundle.install(tmp_path / kernel_bundle.FILE) == 0, "an entry the cache has is left alone"
+    installed = fresh / "ABCDEF123"
+    assert (installed / "_gemv_kernel.cubin").read_bytes() == b"\x7fELF" and not (fresh / "OTHER").exists()
+    group = json.loads((installed / "__grp___gemv_kernel.json").read_text())
+    assert group["child_paths"]["_gemv_kernel.cubin"] == str(installed / "_gemv_kernel.cubin")
+    monkeypatch.setattr(kernel_bundle, "triton_cache_dir", lambda: tmp_path / "empty")
+    assert kernel_bundle.pack(tmp_path / "none.zip") == {"kernels": 0} and not (tmp_path / "none.zip").exists()
 
 
 def test_a_compiled_engine_from_before_shared_weights_is_refused_with_the_remedy(tmp_path: Path) -> None:

@@ -65,6 +65,8 @@ def test_prefill_and_cuda_graph_decode_match_eager(built: tuple[Path, InductorTa
     error = float((steps - expected).norm() / expected.norm())
     print(f"decode vs eager relative error {error:.2e}")
     assert error < 1e-3
+    # the build's precompiled decode step at this shape, replayed from the session's own CUDA graph
+    assert session._precompiled is not None and session._graph is not None, session.problem
 
 
 def test_a_prefill_replayed_with_cuda_graphs_keeps_each_result(llama_dir: Path, tmp_path: Path) -> None:

@@ -12,6 +12,12 @@ An engine directory holds:
   `compile_cache.bin` holds Inductor's compile artifacts (torch.compiler.save_cache_artifacts), so
   loading compiles from the cache instead of autotuning again. This is the format that runs where
   AOTInductor's loader does not;
+- format `compiled`, where this torch can (tasks/backends/precompiled.py): `<graph>-<shape>.precompiled`,
+  Dynamo's precompiled function of each graph at each shape the build warms, listed under
+  `precompiled` in engine.json; a load calls them without reading the exported programs or tracing
+  them (a decode session records its own CUDA graph of its step), and takes any other shape (or an
+  engine without them) through `torch.compile` as above; `triton_kernels.zip` holds the Triton
+  kernels smelter's own decode ops compiled at build (tasks/backends/kernel_bundle.py);
 - format `aoti`: `prefill.pt2` is an AOTInductor package, loaded without compiling;
 - `engine.json`: what the engine is tied to (GPU, driver, torch/CUDA/Triton versions) and what
   building it cost (export and compile seconds, cache bytes).
@@ -32,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tasks.backends import graph_weights
+from tasks.backends import graph_weights, kernel_bundle, precompiled
 from tasks.backends.base import Backend, BackendUnavailable, EngineMismatch, Runner
 from tasks.backends.inductor_target import InductorTarget
 from tasks.backends.program_load import load_program
@@ -49,6 +55,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
 CAUSAL_TASKS = ("text-generation", "text-generation-with-past")
 DECODE_KERNELS = True  # bf16/fp16 decode steps on a GPU read their weights through smelter::decode_linear
 FP8_DECODE_HEAD = True  # an fp8 engine's decode step reads the LM head in e4m3 too
+PRECOMPILE = True  # compiled engines: build precompiled graphs (and load them where an engine has them)
 
 
 def versions() -> dict[str, str]:
@@ -239,20 +246,78 @@ class DecodeSession:
 
         self.batch, self.max_len = batch, max_len
         self.module = _CachedStep(step, *empty_cache(config, batch, max_len, dtype, device))
-        self._step = self.module
+        self._step: Any = self.module
         self._replayed = False
         self._pos = torch.zeros((), dtype=torch.long, device=device)
+        self._precompiled: Any = None
+        self.problem: str | None = None  # why a precompiled step was given up for torch.compile's
 
     def compile(self, options: dict[str, Any]) -> None:
         self._step = torch.compile(self.module, options=options, dynamic=False)
         self._replayed = options["triton.cudagraphs"]
+
+    def caches(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        m = self.module
+        return [getattr(m, f"k{i}") for i in range(m.layers)], [getattr(m, f"v{i}") for i in range(m.layers)]
+
+    def key(self) -> list[Any]:
+        """What a precompiled decode step must have been compiled for to run this session."""
+        tokens = torch.empty(self.batch, 1, dtype=torch.long, device=self._pos.device)
+        return precompiled.signature((tokens, self._pos, *self.caches()))
+
+    def use_precompiled(self, fn: Any, options: dict[str, Any], fallback: Any) -> None:
+        """Step through precompiled `fn` (called on this session's module, whose graph may be None),
+        replayed from a CUDA graph of this session's own where `options` ask for CUDA graphs (a
+        precompiled function is compiled without them: CUDA-graph trees do not survive its
+        serialisation); tokens it was not compiled for go through `fallback()`'s module, compiled
+        on first use."""
+        self._precompiled, self._fallback = fn, fallback
+        self._options = options
+        self._graphed = self._replayed = options["triton.cudagraphs"]
+        self._step = None
+        self._graph: Any = None
+        self._ran = False
+
+    def _precompiled_takes(self, tokens: torch.Tensor) -> bool:
+        return tokens.shape == (self.batch, 1) and tokens.dtype == torch.long and tokens.device == self._pos.device
+
+    def _run_precompiled(self, tokens: torch.Tensor) -> torch.Tensor:
+        """As CUDA-graph trees do: the first step runs (kernels load, Triton picks its configs), the
+        second is recorded into a graph and replayed, later ones copy their tokens in and replay."""
+        if not self._graphed or not self._ran:
+            self._ran = True
+            return self._precompiled(self.module, tokens.contiguous(), self._pos)
+        if self._graph is None:
+            self._tokens = tokens.clone(memory_format=torch.contiguous_format)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._out = self._precompiled(self.module, self._tokens, self._pos)
+            self._graph = graph
+        else:
+            self._tokens.copy_(tokens)
+        self._graph.replay()
+        return self._out
 
     def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         if not 0 <= pos < self.max_len:
             raise ValueError(f"position {pos} is outside this session's cache of {self.max_len} tokens")
         self._pos.fill_(pos)
         with torch.no_grad():
-            logits = self._step(tokens, self._pos)
+            logits = None
+            if self._precompiled is not None and self._precompiled_takes(tokens):
+                try:
+                    logits = self._run_precompiled(tokens)
+                except RuntimeError as e:  # a graph that cannot be recorded: torch.compile's from here on
+                    if self._graph is not None or not self._ran:
+                        raise
+                    self.problem = f"recording the precompiled decode step failed: {e}"[:500]
+                    self._precompiled = None
+                    self._replayed = self._options["triton.cudagraphs"]
+            if logits is None:
+                if self._step is None:
+                    self._step = torch.compile(_CachedStep(self._fallback(), *self.caches()), options=self._options,
+                                               dynamic=False)
+                logits = self._step(tokens, self._pos)
         # A replayed graph writes each output where it wrote the last one: hand out a copy the next step keeps.
         return logits.clone() if self._replayed else logits
 
@@ -271,31 +336,74 @@ class InductorRunner(Runner):
         started = time.perf_counter()
         import tasks.backends.llama_graphs  # noqa: F401  (registers the smelter:: ops its graphs call)
 
+        self.engine_dir = engine_dir
         decode_file = engine_dir / DECODE
         self._decode_file = decode_file if sidecar["format"] == "compiled" and decode_file.is_file() else None
         self._decode_graph: torch.nn.Module | None = None
+        self._prefill: Any = None
+        self._cache_loaded = False
+        recorded = (sidecar.get("precompiled") or {}) if PRECOMPILE and sidecar["format"] == "compiled" else {}
+        self._pre_prefill = precompiled.entries(engine_dir, recorded.get("prefill"))
+        self._pre_decode = precompiled.entries(engine_dir, recorded.get("decode"))
+        self._pre_decode_used: set[Path] = set()
+        self.precompile_problems: list[str] = []  # precompiled functions that failed to load or run
         if sidecar["format"] == "aoti":
             self._prefill = torch._inductor.aoti_load_package(str(engine_dir / PREFILL))
         else:
-            cache = engine_dir / COMPILE_CACHE
-            if cache.is_file():
-                torch.compiler.load_cache_artifacts(cache.read_bytes())
             if not (engine_dir / WEIGHTS).is_file():
                 raise EngineMismatch(f"inductor engine {engine_dir} has no {WEIGHTS}: it was built before its graphs "
                                      "shared one copy of their weights; rebuild it")
+            if self.device == "cuda":
+                kernel_bundle.install(engine_dir / kernel_bundle.FILE)
             self._weights = graph_weights.WeightsFile(engine_dir / WEIGHTS, self.device)
-            prefill = graph_weights.Bound(load_program(engine_dir / PREFILL).module(),
-                                          self._weights.graph("prefill"))
-            self._prefill = torch.compile(prefill, options=_compile_options(target, decode=False))
+            self._prefill_weights = self._weights.graph("prefill")
+            self._prefill_shell = graph_weights.Bound(None, self._prefill_weights)
+            if not self._pre_prefill:
+                self._compiled_prefill()
         self.load_seconds = time.perf_counter() - started
         self._prefill_replayed = sidecar["format"] == "compiled" and prefill_cuda_graphs(target)
         self._config = _Config(sidecar["decoder_config"]) if sidecar.get("decoder_config") else None
+
+    def _load_compile_cache(self) -> None:
+        """Inductor's compile artifacts, read before the first graph compiled through torch.compile."""
+        cache = self.engine_dir / COMPILE_CACHE
+        if not self._cache_loaded and cache.is_file():
+            torch.compiler.load_cache_artifacts(cache.read_bytes())
+        self._cache_loaded = True
+
+    def _prefill_module(self) -> graph_weights.Bound:
+        return graph_weights.Bound(load_program(self.engine_dir / PREFILL).module(), self._prefill_weights)
+
+    def _compiled_prefill(self) -> Any:
+        """The prefill through torch.compile (shapes no precompiled function takes), made on first use."""
+        if self._prefill is None:
+            self._load_compile_cache()
+            self._prefill = torch.compile(self._prefill_module(), options=_compile_options(self.target, decode=False))
+        return self._prefill
+
+    def _precompiled_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        input_ids, attention_mask = input_ids.contiguous(), attention_mask.contiguous()
+        for entry in self._pre_prefill:
+            if entry.matches((input_ids, attention_mask)):
+                try:
+                    fn = entry.function()
+                except Exception as e:  # noqa: BLE001 - any failure to load it: compile as before
+                    self._drop(entry, self._pre_prefill, e)
+                    return None
+                return fn(self._prefill_shell, input_ids, attention_mask)
+        return None
+
+    def _drop(self, entry: precompiled.Precompiled, entries: list[precompiled.Precompiled], error: Exception) -> None:
+        entries.remove(entry)
+        self.precompile_problems.append(f"{entry.path.name}: {type(error).__name__}: {error}"[:500])
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Device-resident in and out: what the benchmark times. The result stays valid after the next
         call (with CUDA graphs, a copy out of the graph's memory)."""
         with torch.no_grad():
-            out = self._prefill(input_ids, attention_mask)
+            out = self._precompiled_prefill(input_ids, attention_mask) if self._pre_prefill else None
+            if out is None:
+                out = self._compiled_prefill()(input_ids, attention_mask)
         return out.clone() if self._prefill_replayed else out
 
     def _device_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -330,12 +438,75 @@ class InductorRunner(Runner):
         if not self.has_decoder:
             raise BackendUnavailable("this inductor engine has no decode-step graph (encoders, format aoti, or an "
                                      "architecture the static decoder does not cover)")
+        options = _compile_options(self.target, decode=True)
+        if self._pre_decode:
+            session = DecodeSession(graph_weights.Bound(None, self._weights.graph("decode")), self._config, batch,
+                                    max_len, self.dtype, self.device)
+            key = session.key()
+            for entry in [e for e in self._pre_decode if e.signature == key]:
+                try:
+                    fn = entry.function()  # shared by the sessions of its shape: each records its own CUDA graph
+                except Exception as e:  # noqa: BLE001 - any failure to load it: compile as before
+                    self._drop(entry, self._pre_decode, e)
+                    break
+                self._pre_decode_used.add(entry.path)
+                session.use_precompiled(fn, options, self._decode_module)
+                return session
+        session = DecodeSession(self._decode_module(), self._config, batch, max_len, self.dtype, self.device)
+        session.compile(options)
+        return session
+
+    def _decode_module(self) -> graph_weights.Bound:
+        """The decode step's exported graph over its weights, read on first use."""
         if self._decode_graph is None:
+            self._load_compile_cache()
             self._decode_graph = graph_weights.Bound(load_program(self._decode_file).module(),
                                                      self._weights.graph("decode"))
-        session = DecodeSession(self._decode_graph, self._config, batch, max_len, self.dtype, self.device)
-        session.compile(_compile_options(self.target, decode=True))
-        return session
+        return self._decode_graph
+
+    def precompile(self, prefill_shapes: list[tuple[int, int]], decode_shapes: list[tuple[int, int]],
+                   vocab: int) -> dict[str, Any]:
+        """Precompile each graph at each shape into the engine directory (precompiled.py); what the
+        sidecar records under `precompiled` (a graph and shape that fails is left out, with why)."""
+        problem = precompiled.unavailable()
+        if problem:
+            return {"unavailable": problem}
+        started = time.perf_counter()
+        done: dict[str, Any] = {"prefill": [], "decode": [], "failed": []}
+
+        def attempt(graph: str, path: Path, compile_one: Any) -> None:
+            try:
+                done[graph].append(compile_one())
+            except Exception as e:  # noqa: BLE001 - that shape then loads through torch.compile, as before
+                path.unlink(missing_ok=True)
+                done["failed"].append(f"{path.name}: {type(e).__name__}: {e}"[:1500])
+
+        options = _compile_options(self.target, decode=False)
+        module = getattr(self._prefill, "_orig_mod", None) or self._prefill_module()
+        if options["triton.cudagraphs"]:  # CUDA-graph trees do not survive a precompiled function's serialisation
+            done["failed"].append(f"prefill: not precompiled: compile_mode {self.target.compile_mode} replays it with "
+                                  "CUDA graphs, which a precompiled function loses")
+            prefill_shapes = []
+        for batch, seq in prefill_shapes:
+            ids = torch.randint(0, vocab, (batch, seq), device=self.device)
+            inputs = (ids, torch.ones_like(ids))
+            path = self.engine_dir / f"prefill-{batch}x{seq}{precompiled.SUFFIX}"
+            attempt("prefill", path, lambda: precompiled.compile_graph(
+                module, self._prefill_shell, inputs, options, path, precompiled.signature(inputs)))
+        if self.has_decoder:
+            # compiled without CUDA graphs: a decode session records its own (DecodeSession.use_precompiled)
+            options = {**_compile_options(self.target, decode=True), "triton.cudagraphs": False}
+            shell = graph_weights.Bound(None, self._weights.graph("decode"))
+            for batch, max_len in decode_shapes:
+                session = DecodeSession(self._decode_module(), self._config, batch, max_len, self.dtype, self.device)
+                tokens = torch.randint(0, vocab, (batch, 1), device=self.device)
+                path = self.engine_dir / f"decode-b{batch}-len{max_len}{precompiled.SUFFIX}"
+                attempt("decode", path, lambda: precompiled.compile_graph(
+                    session.module, _CachedStep(shell, *session.caches()), (tokens, session._pos), options, path,
+                    session.key()))
+                del session
+        done["seconds"] = round(time.perf_counter() - started, 3)
+        return done
 
 
 def _require_right_padding(mask: np.ndarray) -> None:
@@ -453,6 +624,17 @@ def warm_up(runner: InductorRunner, prefill_shapes: list[tuple[int, int]],
         torch.cuda.synchronize()
 
 
+def _precompile(runner: InductorRunner, prefill_shapes: list[tuple[int, int]], decode_shapes: list[tuple[int, int]],
+                vocab: int) -> dict[str, Any]:
+    """runner.precompile, or why it failed (the engine then loads through torch.compile, as before)."""
+    try:
+        return runner.precompile(prefill_shapes, decode_shapes, vocab)
+    except Exception as e:  # noqa: BLE001 - a torch that cannot precompile these graphs still builds the engine
+        for stale in runner.engine_dir.glob(f"*{precompiled.SUFFIX}"):
+            stale.unlink()
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+
+
 class InductorBackend(Backend):
     name = "inductor"
     engine_file = PREFILL
@@ -550,6 +732,11 @@ class InductorBackend(Backend):
                 raise RuntimeError("torch.compiler.save_cache_artifacts() returned nothing after compiling")
             (out_dir / COMPILE_CACHE).write_bytes(artifacts[0])
             cache_bytes = len(artifacts[0])
+            if PRECOMPILE:
+                sidecar["precompiled"] = _precompile(runner, prefill_shapes, decode_shapes if has_decode else [],
+                                                     self._vocab(model_dir))
+            if device == "cuda":
+                sidecar["triton_kernels"] = kernel_bundle.pack(out_dir / kernel_bundle.FILE)
         sidecar.update({"export_seconds": round(export_seconds, 3), "calibration_seconds": round(calibration_seconds, 3),
                         "compile_seconds": round(time.perf_counter() - compile_started, 3),
                         "cache_bytes": cache_bytes})
