@@ -43,11 +43,11 @@ def legacy_seconds(spec, builds: dict, threads: int) -> tuple[float, dict[str, f
     texts = read_texts(spec.resolve(spec.accuracy.data))
     speedups = {}
     for name, build in builds.items():
-        runner = open_engine(spec, build, threads=threads)
+        runner = open_engine(spec.targets, build, threads=threads)
         for batch in spec.benchmark.batch_sizes:
             for seq in spec.benchmark.seq_lens:
-                feeds = point_feeds(spec.model, tokenizer, reference, texts,
-                                    {"batch": batch, "seq": seq, "past": prefill_past(spec)}, runner.input_names)
+                shape = {"batch": batch, "seq": seq, "past": prefill_past(spec.model, spec.profiles)}
+                feeds = point_feeds(spec.model, tokenizer, reference, texts, shape, runner.input_names)
                 forward = reference_call(reference, feeds, spec.model.task)
                 engine, ref = engine_timer(runner, feeds), (lambda n: time_call_ms(forward, 0, n))
                 engine(LEGACY_WARMUP), ref(LEGACY_WARMUP)
@@ -73,7 +73,7 @@ def main() -> int:
     exported = run_export(spec, store)
     builds = {f"{spec.name}/{p}/{args.target}": run_build(spec, run_precision(spec, exported, p, store), args.target, store)
               for p in spec.precisions}
-    threads = benchmark_threads(spec, getattr(spec.target(args.target), "threads", None))
+    threads = benchmark_threads(spec.benchmark, getattr(spec.target(args.target), "threads", None))
     torch.set_num_threads(threads)
     print(f"{len(builds)} engines of {spec.name}/{args.target}, {threads} threads, gate point {spec.gate_point}, "
           f"precision ±{spec.benchmark.precision:.0%}, budget {spec.benchmark.max_seconds:.0f} s at the gate point, "

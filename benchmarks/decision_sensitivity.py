@@ -74,8 +74,8 @@ def main() -> int:
           f"{candidate_build.key} / {champion_build.key}); gate point {spec.gate_point}, "
           f"precision ±{spec.benchmark.precision:.0%}, min_improvement {spec.performance.min_improvement:.0%}")
     for label, slowed, factor in CASES:
-        def opener(spec: Any, build: Any, threads: int | None = None, slowed=slowed, factor=factor) -> Runner:
-            runner = open_engine(spec, build, threads=threads)
+        def opener(targets: Any, build: Any, threads: int | None = None, slowed=slowed, factor=factor) -> Runner:
+            runner = open_engine(targets, build, threads=threads)
             is_champion = build.key == champion_build.key
             return SlowedRunner(runner, factor) if is_champion == (slowed == "champion") else runner
 

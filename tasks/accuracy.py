@@ -9,6 +9,8 @@ at the usual shape and wrong (NaN, wrong shape) only at the edges.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,7 +22,7 @@ from tasks.build import open_engine
 from tasks.inputs import decoder_feeds, encoder_feeds, point_feeds, read_texts, reference_outputs
 from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.stage import Work, run_stage
-from tasks.spec import PipelineSpec, ProfileSpec
+from tasks.spec import PipelineSpec, ProfileSpec, TargetSpec, ValidationSpec
 from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
 
 if TYPE_CHECKING:
@@ -33,59 +35,80 @@ TOOLS = ("torch", "transformers", "numpy")
 CODE = ("tasks.accuracy", "tasks.inputs")  # what the stage computes: their source is part of the key
 
 
+@dataclass(frozen=True)
+class AccuracyConfig:
+    """What the accuracy stage reads of a pipeline: the model (reference, tokenizer, task), how many lines of
+    which held-out text at which length (`accuracy:` without its gates, which only read the metrics), the
+    profiles it checks validity at, the targets an engine may be built for (it runs on its own), and the
+    validation tolerances a three-way comparison (TensorRT) reports against."""
+
+    source: ModelSource
+    samples: int
+    seq_len: int
+    data_path: Path
+    profiles: tuple[ProfileSpec, ...]
+    targets: tuple[TargetSpec, ...]
+    validation: ValidationSpec
+
+    @classmethod
+    def of(cls, spec: PipelineSpec) -> AccuracyConfig:
+        return cls(ModelSource.of(spec), spec.accuracy.samples, spec.accuracy.seq_len, spec.resolve(spec.accuracy.data),
+                   tuple(spec.profiles), tuple(spec.targets), spec.validation)
+
+
 def accuracy_key(build_result: StageResult, spec: PipelineSpec) -> str:
     """Hash of the engine, the accuracy settings (not the gates, which only read metrics) and the eval text."""
-    return accuracy_work(spec, build_result, None).key
+    return accuracy_work(AccuracyConfig.of(spec), build_result, None).key
 
 
-def _accuracy_config(spec: PipelineSpec) -> dict[str, Any]:
-    return {"task": spec.model.task, "samples": spec.accuracy.samples, "seq_len": spec.accuracy.seq_len,
-            "profiles": [p.model_dump(mode="json") for p in spec.profiles]}
+def _settings(config: AccuracyConfig) -> dict[str, Any]:
+    return {"task": config.source.model.task, "samples": config.samples, "seq_len": config.seq_len,
+            "profiles": [p.model_dump(mode="json") for p in config.profiles]}
 
 
-def accuracy_work(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore | None) -> Work:
+def accuracy_work(config: AccuracyConfig, build_result: StageResult, store: ArtifactStore | None) -> Work:
     """Metrics, a per-sample table and the validity verdict for one engine (`store` finds a TensorRT
     engine's ONNX graphs for the three-way comparison)."""
-    config, tools = _accuracy_config(spec), tool_versions(*TOOLS)
+    settings, tools = _settings(config), tool_versions(*TOOLS)
+    model = config.source.model
 
     def produce(w: StageWriter, _published: StageResult | None) -> None:
-        profile = _eval_profile(spec)
+        profile = _eval_profile(config)
         batch = max(profile.batch[0], min(CHUNK, profile.batch[2]))
-        past = profile.past[0] if spec.model.has_past else 0
-        texts = read_texts(spec.resolve(spec.accuracy.data), spec.accuracy.samples)
-        model = ModelSource.of(spec)
-        tokenizer, reference = load_tokenizer(model), load_reference(model)
-        with open_engine(spec, build_result) as engine:
-            if spec.model.is_decoder:
-                table, metrics = _decoder_accuracy(spec, engine, tokenizer, reference, texts, batch, past)
+        past = profile.past[0] if model.has_past else 0
+        texts = read_texts(config.data_path, config.samples)
+        tokenizer, reference = load_tokenizer(config.source), load_reference(config.source)
+        with open_engine(config.targets, build_result) as engine:
+            if model.is_decoder:
+                table, metrics = _decoder_accuracy(config, engine, tokenizer, reference, texts, batch, past)
             else:
-                table, metrics = _encoder_accuracy(spec, engine, tokenizer, reference, texts, batch)
+                table, metrics = _encoder_accuracy(config, engine, tokenizer, reference, texts, batch)
             table.to_csv(w.dir / PER_SAMPLE, index=False)
             killpoints.reach("accuracy")
-            validity = check_validity(spec, engine, tokenizer, reference, texts) | {
+            validity = check_validity(config, engine, tokenizer, reference, texts) | {
                 "nonfinite_samples": nonfinite_samples(table)}
-            w.outputs.update({"metrics": metrics, "samples": len(texts), "seq_len": spec.accuracy.seq_len,
+            w.outputs.update({"metrics": metrics, "samples": len(texts), "seq_len": config.seq_len,
                               "past": past, "validity": validity})
-            if (report := three_way(spec, build_result, store, engine, tokenizer, reference, texts)) is not None:
+            if (report := three_way(config, build_result, store, engine, tokenizer, reference, texts)) is not None:
                 (w.dir / THREE_WAY).write_text(json.dumps(report, indent=2))
                 w.outputs["three_way_passed"] = report["passed"]
 
-    parts = {"upstream": {"build": build_result.key, "files": build_result.content}, "config": config,
-             "data": file_digest(spec.resolve(spec.accuracy.data)), "tools": tools}
-    return Work(spec.name, "accuracy", parts, CODE, produce, inputs={"build": build_result.key}, config=config,
-                tools=tools)
+    parts = {"upstream": {"build": build_result.key, "files": build_result.content}, "config": settings,
+             "data": file_digest(config.data_path), "tools": tools}
+    return Work(config.source.pipeline, "accuracy", parts, CODE, produce, inputs={"build": build_result.key},
+                config=settings, tools=tools)
 
 
 def run_accuracy(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore,
                  force: bool = False) -> StageResult:
     """Metrics, a per-sample table and the validity verdict for one engine."""
-    return run_stage(accuracy_work(spec, build_result, store), store, force)
+    return run_stage(accuracy_work(AccuracyConfig.of(spec), build_result, store), store, force)
 
 
-def _eval_profile(spec: PipelineSpec) -> ProfileSpec:
+def _eval_profile(config: AccuracyConfig) -> ProfileSpec:
     """The first profile that accepts accuracy.seq_len (spec.py guarantees one does): it bounds the eval feeds."""
-    seq = spec.accuracy.seq_len
-    return next(p for p in spec.profiles if p.seq[0] <= seq <= p.seq[2])
+    seq = config.seq_len
+    return next(p for p in config.profiles if p.seq[0] <= seq <= p.seq[2])
 
 
 def _chunks(texts: list[str], batch: int) -> list[tuple[int, list[str]]]:
@@ -122,9 +145,9 @@ def mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return (hidden * weights).sum(1) / np.maximum(weights.sum(1), 1.0)
 
 
-def _encoder_accuracy(spec: PipelineSpec, runner: Runner, tokenizer: Any, reference: torch.nn.Module,
+def _encoder_accuracy(config: AccuracyConfig, runner: Runner, tokenizer: Any, reference: torch.nn.Module,
                       texts: list[str], batch: int) -> tuple[pd.DataFrame, dict[str, float]]:
-    task, seq = spec.model.task, spec.accuracy.seq_len
+    task, seq = config.source.model.task, config.seq_len
     output = "logits" if task == "text-classification" else "last_hidden_state"
     rows = []
     for start, chunk in _chunks(texts, batch):
@@ -162,10 +185,10 @@ def _next_token_nll(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return log_z - chosen
 
 
-def _decoder_accuracy(spec: PipelineSpec, runner: Runner, tokenizer: Any, reference: torch.nn.Module,
+def _decoder_accuracy(config: AccuracyConfig, runner: Runner, tokenizer: Any, reference: torch.nn.Module,
                       texts: list[str], batch: int, past: int) -> tuple[pd.DataFrame, dict[str, float]]:
     """Whole-sequence forward after the profile's smallest real past: every position predicts the next token."""
-    task, seq = spec.model.task, spec.accuracy.seq_len
+    task, seq = config.source.model.task, config.seq_len
     rows, nll_engine, nll_reference = [], [], []
     for start, chunk in _chunks(texts, batch):
         feeds = decoder_feeds(tokenizer, reference, chunk, batch, seq, past, runner.input_names)
@@ -192,7 +215,7 @@ def _decoder_accuracy(spec: PipelineSpec, runner: Runner, tokenizer: Any, refere
     return table, metrics
 
 
-def three_way(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore | None, engine: Runner,
+def three_way(config: AccuracyConfig, build_result: StageResult, store: ArtifactStore | None, engine: Runner,
               tokenizer: Any, reference: torch.nn.Module, texts: list[str]) -> dict[str, Any] | None:
     """For a backend that compares three ways (TensorRT): FP32 ONNX vs precision ONNX vs engine at min/opt/max
     (where an error comes from).
@@ -203,33 +226,35 @@ def three_way(spec: PipelineSpec, build_result: StageResult, store: ArtifactStor
         return None
     from tasks.backends.trt_compare import compare_three_way
 
-    precision = store and store.lookup(spec.name, "precision", build_result.manifest["inputs"]["precision"])
-    exported = precision and store.lookup(spec.name, "export", precision.manifest["inputs"]["export"])
+    pipeline = config.source.pipeline
+    precision = store and store.lookup(pipeline, "precision", build_result.manifest["inputs"]["precision"])
+    exported = precision and store.lookup(pipeline, "export", precision.manifest["inputs"]["export"])
     if not exported:
         raise FileNotFoundError(f"the ONNX graphs engine {build_result.key} was built from are gone from the store")
-    feeds = {point: point_feeds(spec.model, tokenizer, reference, texts, shape, engine.input_names)
-             for point, shape in spec.profiles[0].shapes().items()}
+    feeds = {point: point_feeds(config.source.model, tokenizer, reference, texts, shape, engine.input_names)
+             for point, shape in config.profiles[0].shapes().items()}
     return compare_three_way(exported.file("model.onnx"), precision.file("model.onnx"), engine, feeds,
-                             spec.validation.atol, spec.validation.rtol)
+                             config.validation.atol, config.validation.rtol)
 
 
-def check_validity(spec: PipelineSpec, runner: Runner, tokenizer: Any, reference: torch.nn.Module,
+def check_validity(config: AccuracyConfig, runner: Runner, tokenizer: Any, reference: torch.nn.Module,
                    texts: list[str]) -> dict[str, Any]:
     """Run the engine at each profile's min/opt/max point: outputs finite and shaped like the reference's."""
     problems: list[str] = []
     points = {"min": True, "opt": True, "max": True}
     finite = True
-    for index, profile in enumerate(spec.profiles):
+    model = config.source.model
+    for index, profile in enumerate(config.profiles):
         for point, shape in profile.shapes().items():
             where = f"profile {index} {point} {shape}"
-            feeds = point_feeds(spec.model, tokenizer, reference, texts, shape, runner.input_names)
+            feeds = point_feeds(model, tokenizer, reference, texts, shape, runner.input_names)
             try:
                 outputs = runner.infer(feeds)
             except Exception as e:  # an engine that cannot run at a profile point is invalid, not a crash
                 problems.append(f"{where}: the engine failed: {e}")
                 points[point] = False
                 continue
-            expected = reference_outputs(reference, feeds, spec.model.task)
+            expected = reference_outputs(reference, feeds, model.task)
             for name, value in outputs.items():
                 bad = int(np.size(value) - np.isfinite(value).sum())
                 if bad:

@@ -18,7 +18,7 @@ import copy
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +35,7 @@ from tasks.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read
 from tasks.measure import Contender, Rounds, measure_rounds
 from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.outcome import Champion
-from tasks.spec import PipelineSpec
+from tasks.spec import BenchmarkSpec, ModelSpec, PipelineSpec, ProfileSpec, TargetSpec
 from tasks.stage import KeepPublished, Work, run_stage
 from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, host_facts, tool_versions
 from tasks.tracking import engine_identity
@@ -72,16 +72,36 @@ class LatencySamples:
                 "mean_ms": self.mean_ms, "throughput": batch / mean_s, "tokens_per_s": tokens_per_call / mean_s}
 
 
-def benchmark_threads(spec: PipelineSpec, target_threads: int | None) -> int:
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    """What the benchmark reads of a pipeline for one target: the model (the reference it times, its tokenizer
+    and task), the target measured (its threads; a GPU one times the reference on the GPU), the targets its
+    engines may be built for (each runs on its own), `benchmark:`, the gate point (it reads `performance:`),
+    the profiles (the past a KV graph prefills on) and the evaluation text it feeds."""
+
+    source: ModelSource
+    target: TargetSpec
+    targets: tuple[TargetSpec, ...]
+    settings: BenchmarkSpec
+    gate_point: dict[str, int]
+    profiles: tuple[ProfileSpec, ...]
+    data_path: Path
+
+    @classmethod
+    def of(cls, spec: PipelineSpec, target_name: str) -> BenchmarkConfig:
+        return cls(ModelSource.of(spec), spec.target(target_name), tuple(spec.targets), spec.benchmark,
+                   spec.gate_point, tuple(spec.profiles), spec.resolve(spec.accuracy.data))
+
+
+def benchmark_threads(settings: BenchmarkSpec, target_threads: int | None) -> int:
     """One thread count for every engine and the reference: benchmark.threads, else the target's, else all cores."""
-    return spec.benchmark.threads or target_threads or os.cpu_count() or 1
+    return settings.threads or target_threads or os.cpu_count() or 1
 
 
-def _config(spec: PipelineSpec, target_name: str) -> dict[str, Any]:
-    target = spec.target(target_name)
-    return {"task": spec.model.task, "benchmark": spec.benchmark.model_dump(mode="json"),
-            "gate_point": spec.gate_point, "threads": benchmark_threads(spec, target.intra_op_threads),
-            "method": stats.METHOD}
+def _settings(config: BenchmarkConfig) -> dict[str, Any]:
+    return {"task": config.source.model.task, "benchmark": config.settings.model_dump(mode="json"),
+            "gate_point": config.gate_point,
+            "threads": benchmark_threads(config.settings, config.target.intra_op_threads), "method": stats.METHOD}
 
 
 def benchmark_key(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult],
@@ -91,7 +111,7 @@ def benchmark_key(spec: PipelineSpec, target_name: str, builds: dict[str, StageR
     The champion counts only when it is not one of the candidates (an engine with the champion's
     bytes is the champion), so a candidate that becomes champion keeps its measurement.
     """
-    return benchmark_work(spec, target_name, builds, champion).key
+    return benchmark_work(BenchmarkConfig.of(spec, target_name), builds, champion).key
 
 
 def _extra_champion(champion: Champion | None, builds: dict[str, StageResult]) -> bool:
@@ -109,23 +129,24 @@ def _busier_than(load: dict[str, Any], published: StageResult) -> bool:
     return before is None or (load.get("foreign_cpu_share") or 0.0) >= before
 
 
-def benchmark_work(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult],
-                   champion: Champion | None = None, champion_build: Callable[[], StageResult] | None = None,
+def benchmark_work(config: BenchmarkConfig, builds: dict[str, StageResult], champion: Champion | None = None,
+                   champion_build: Callable[[], StageResult] | None = None,
                    open_runner: OpenRunner = open_engine) -> Work:
     """One target's engines timed side by side; a published measurement taken under contention is
     measured again, and kept when the new one is at least as contended."""
+    pipeline, target_name = config.source.pipeline, config.target.name
     if not builds:
-        raise ValueError(f"pipeline {spec.name}, target {target_name}: no built engine to benchmark")
-    config, tools = _config(spec, target_name), tool_versions(*TOOLS)
+        raise ValueError(f"pipeline {pipeline}, target {target_name}: no built engine to benchmark")
+    settings, tools = _settings(config), tool_versions(*TOOLS)
     engines = sorted((name, build.key, build.content) for name, build in builds.items())
     parts = {"target": target_name, "engines": engines,
              "champion": _extra_champion(champion, builds) and (champion.engine_identity or champion.build_key),
-             "config": config,
-             "data": file_digest(spec.resolve(spec.accuracy.data)), "host": host_facts(), "tools": tools}
+             "config": settings,
+             "data": file_digest(config.data_path), "host": host_facts(), "tools": tools}
 
     def produce(w: StageWriter, published: StageResult | None) -> None:
-        with LoadWatch(spec.benchmark.contended_above) as load:
-            measured = _measure(spec, target_name, builds, champion, champion_build, config, open_runner)
+        with LoadWatch(config.settings.contended_above) as load:
+            measured = _measure(config, builds, champion, champion_build, settings["threads"], open_runner)
         if published and load.contended and _busier_than(load.as_dict(), published):
             before = published.outputs["host"].get("foreign_cpu_share")
             raise KeepPublished(f"measured again, but other processes used {load.foreign_cpu_share:.0%} of the CPU "
@@ -140,7 +161,7 @@ def benchmark_work(spec: PipelineSpec, target_name: str, builds: dict[str, Stage
     inputs = {"builds": {name: b.key for name, b in builds.items()},
               "engines": {name: engine_identity(b) for name, b in builds.items()},
               "champion": champion.build_key if champion else None}
-    return Work(spec.name, "benchmark", parts, CODE, produce, inputs=inputs, config=config, tools=tools,
+    return Work(pipeline, "benchmark", parts, CODE, produce, inputs=inputs, config=settings, tools=tools,
                 reusable=_uncontended)
 
 
@@ -151,9 +172,11 @@ def run_benchmark(spec: PipelineSpec, target_name: str, builds: dict[str, StageR
 
     `champion_build` fetches the champion's engine when it is not among `builds`; when it cannot
     (gone, corrupt, built for another machine) the measurement records why and goes on without it.
-    `open_runner` opens an engine (a loader, Polygraphy-style); benchmarks pass one that wraps it.
+    `open_runner` opens an engine on the target it was built for, given the pipeline's targets (a loader,
+    Polygraphy-style); benchmarks pass one that wraps it.
     """
-    return run_stage(benchmark_work(spec, target_name, builds, champion, champion_build, open_runner), store, force)
+    return run_stage(benchmark_work(BenchmarkConfig.of(spec, target_name), builds, champion, champion_build,
+                                    open_runner), store, force)
 
 
 def for_candidate(result: StageResult, candidate: str, champion: Champion | None = None) -> StageResult:
@@ -197,44 +220,42 @@ class _Measured:
     samples: pd.DataFrame
 
 
-def _measure(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult], champion: Champion | None,
-             champion_build: Callable[[], StageResult] | None, config: dict[str, Any],
-             open_runner: OpenRunner) -> _Measured:
+def _measure(config: BenchmarkConfig, builds: dict[str, StageResult], champion: Champion | None,
+             champion_build: Callable[[], StageResult] | None, threads: int, open_runner: OpenRunner) -> _Measured:
     import torch
 
-    threads = config["threads"]
-    texts = read_texts(spec.resolve(spec.accuracy.data))
-    reference = load_reference(ModelSource.of(spec))
-    device = reference_device(spec.target(target_name))
+    texts = read_texts(config.data_path)
+    reference = load_reference(config.source)
+    device = reference_device(config.target)
     runners: dict[str, Runner] = {}
     champion_info: dict[str, Any] | None = None
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for name, build in builds.items():
-            runners[name] = open_runner(spec, build, threads=threads)
+            runners[name] = open_runner(config.targets, build, threads=threads)
         if _extra_champion(champion, builds):
             champion_info = {"version": champion.version, "registered_model": champion.registered_model,
                              "build_key": champion.build_key, "label": champion.label, "unavailable": None,
                              "permanent": False}
             try:
-                runners[champion.label] = open_runner(spec, champion_build(), threads=threads)
+                runners[champion.label] = open_runner(config.targets, champion_build(), threads=threads)
             except Exception as e:  # noqa: BLE001 - recorded; the decision reads it
                 champion_info |= {"label": None, "unavailable": f"{type(e).__name__}: {e}",
                                   "permanent": cannot_run_here(e)}
-        bench = _Bench(spec, list(builds), runners, reference, load_tokenizer(ModelSource.of(spec)), texts, device)
-        measured = [(point, bench.measure(point)) for point in _points(spec)]
+        bench = _Bench(config, list(builds), runners, reference, load_tokenizer(config.source), texts, device)
+        measured = [(point, bench.measure(point)) for point in _points(config)]
     finally:
         for runner in runners.values():
             runner.close()
         torch.set_num_threads(previous_threads)
-    engines = {name: _engine_outputs(spec, name, measured) for name in builds}
+    engines = {name: _engine_outputs(config, name, measured) for name in builds}
     notes = [f"{_where(point)}: {rounds.extended}" for point, rounds in measured if rounds.extended]
     outputs = {"engines": engines, "champion": champion_info, "reference": REFERENCE, "reference_device": device,
                "notes": notes,
-               "threads": threads, "method": stats.METHOD, "precision": spec.benchmark.precision,
+               "threads": threads, "method": stats.METHOD, "precision": config.settings.precision,
                "comparisons": [row for point, rounds in measured
-                               for row in _comparison_rows(point, rounds, spec.benchmark.precision)]}
+                               for row in _comparison_rows(point, rounds, config.settings.precision)]}
     return _Measured(outputs, _samples_table(measured))
 
 
@@ -243,44 +264,48 @@ def _where(point: dict[str, int]) -> str:
             else f"batch {point['batch']} seq {point['seq']}")
 
 
-def _points(spec: PipelineSpec) -> list[dict[str, int]]:
-    """Every prefill (batch, seq) of spec.benchmark, then decoders' decode step (one new token) per batch."""
-    past = prefill_past(spec)
-    points = [{"batch": b, "seq": s, "past": past, "decode": 0} for b in spec.benchmark.batch_sizes
-              for s in spec.benchmark.seq_lens]
-    if spec.model.is_decoder:
-        points += [{"batch": b, "seq": 1, "past": spec.benchmark.past_len, "decode": 1}
-                   for b in spec.benchmark.batch_sizes]
+def _points(config: BenchmarkConfig) -> list[dict[str, int]]:
+    """Every prefill (batch, seq) of benchmark:, then decoders' decode step (one new token) per batch."""
+    settings = config.settings
+    past = prefill_past(config.source.model, config.profiles)
+    points = [{"batch": b, "seq": s, "past": past, "decode": 0} for b in settings.batch_sizes
+              for s in settings.seq_lens]
+    if config.source.model.is_decoder:
+        points += [{"batch": b, "seq": 1, "past": settings.past_len, "decode": 1} for b in settings.batch_sizes]
     return points
 
 
-def point_budget(spec: PipelineSpec, point: dict[str, int]) -> float:
-    """Seconds one point may take: the gate point, which gates and decisions read, gets `max_seconds`
-    to reach ±precision; every other point describes the engine and gets `survey_seconds`."""
-    at = spec.gate_point
-    gate = not point["decode"] and (point["batch"], point["seq"]) == (at["batch"], at["seq"])
-    return spec.benchmark.max_seconds if gate else spec.benchmark.survey_seconds
+def point_budget(config: BenchmarkConfig, point: dict[str, int]) -> tuple[float, float]:
+    """(fewest, most) seconds one point's rounds take: the gate point, which gates and decisions read,
+    spans at least `min_seconds` and gets `max_seconds` to reach ±precision; every other point
+    describes the engine and gets `survey_seconds`, stopping as soon as it is conclusive."""
+    at = config.gate_point
+    settings = config.settings
+    if not point["decode"] and (point["batch"], point["seq"]) == (at["batch"], at["seq"]):
+        return settings.min_seconds, settings.max_seconds
+    return 0.0, settings.survey_seconds
 
 
-def _engine_outputs(spec: PipelineSpec, name: str, measured: list[tuple[dict[str, int], Rounds]]) -> dict[str, Any]:
+def _engine_outputs(config: BenchmarkConfig, name: str,
+                    measured: list[tuple[dict[str, int], Rounds]]) -> dict[str, Any]:
     """One candidate's rows: prefill points, decode steps, and the gate point the gates read."""
     points, decode = [], []
     for point, rounds in measured:
-        row = _row(spec, point, rounds, name)
+        row = _row(point, rounds, name, config.settings.precision)
         (decode if point["decode"] else points).append(row)
-    at = spec.gate_point
+    at = config.gate_point
     gate = next(p for p in points if p["batch"] == at["batch"] and p["seq"] == at["seq"])
-    return {"points": points, "gate_point": gate} | ({"decode": decode} if spec.model.is_decoder else {})
+    return {"points": points, "gate_point": gate} | ({"decode": decode} if config.source.model.is_decoder else {})
 
 
-def _row(spec: PipelineSpec, point: dict[str, int], rounds: Rounds, name: str) -> dict[str, Any]:
+def _row(point: dict[str, int], rounds: Rounds, name: str, precision: float) -> dict[str, Any]:
     batch, seq = point["batch"], point["seq"]
     tokens = batch if point["decode"] else batch * seq
     engine = LatencySamples(rounds.calls_ms(name)).summary(batch, tokens)
     reference = LatencySamples(rounds.calls_ms(REFERENCE)).summary(batch, tokens)
     row: dict[str, Any] = {"batch": batch} | ({"past": point["past"]} if point["decode"] else {"seq": seq})
     row |= engine | {f"reference_{k}": v for k, v in reference.items()}
-    row |= _ratio_fields("speedup_vs_reference", rounds.ratio(REFERENCE, name), spec.benchmark.precision)
+    row |= _ratio_fields("speedup_vs_reference", rounds.ratio(REFERENCE, name), precision)
     return row | {"rounds": rounds.count, "seconds": round(rounds.seconds, 3)}
 
 
@@ -326,41 +351,42 @@ def reference_device(target: Any) -> str:
     return "cuda" if target.device_kind == "gpu" and torch.cuda.is_available() else "cpu"
 
 
-def prefill_past(spec: PipelineSpec) -> int:
+def prefill_past(model: ModelSpec, profiles: Sequence[ProfileSpec]) -> int:
     """Prefill runs on an empty cache, or on the shortest past the engine's profiles accept (a KV graph needs one)."""
-    return min(p.past[0] for p in spec.profiles) if spec.model.has_past else 0
+    return min(p.past[0] for p in profiles) if model.has_past else 0
 
 
 class _Bench:
     """Feeds and timed calls for the engines and the reference at one shape point."""
 
-    def __init__(self, spec: PipelineSpec, candidates: list[str], runners: dict[str, Runner],
+    def __init__(self, config: BenchmarkConfig, candidates: list[str], runners: dict[str, Runner],
                  reference: torch.nn.Module, tokenizer: Any, texts: list[str], device: str):
-        self.spec, self.candidates, self.runners = spec, candidates, runners
+        self.config, self.model, self.candidates, self.runners = config, config.source.model, candidates, runners
         self.reference, self.tokenizer, self.texts = reference, tokenizer, texts
         self.device = device
         self.timed_reference = reference if device == "cpu" else copy.deepcopy(reference).to(device)
         self.input_names = sorted({name for runner in runners.values() for name in runner.input_names})
 
     def feeds(self, batch: int, seq: int, past: int) -> dict[str, np.ndarray]:
-        if past and not self.spec.model.has_past:
+        if past and not self.model.has_past:
             # Without a KV cache a decode step re-reads the whole prefix: past + 1 tokens, no cache.
             seq, past = past + 1, 0
-        return point_feeds(self.spec.model, self.tokenizer, self.reference, self.texts,
+        return point_feeds(self.model, self.tokenizer, self.reference, self.texts,
                            {"batch": batch, "seq": seq, "past": past}, self.input_names)
 
     def measure(self, point: dict[str, int]) -> Rounds:
         """Every engine against the reference, every candidate against each other and against an extra champion."""
         feeds = self.feeds(point["batch"], point["seq"], point["past"])
-        forward = reference_call(self.timed_reference, feeds, self.spec.model.task, self.device)
+        forward = reference_call(self.timed_reference, feeds, self.model.task, self.device)
         contenders = [Contender(REFERENCE, reference_timer(forward, self.device))]
         contenders += [Contender(name, engine_timer(runner, feeds)) for name, runner in self.runners.items()]
         pairs = [(REFERENCE, name) for name in self.candidates]
         pairs += list(itertools.combinations(self.candidates, 2))
         pairs += [(extra, name) for extra in self.runners if extra not in self.candidates for name in self.candidates]
-        settings = self.spec.benchmark
+        settings = self.config.settings
+        fewest, most = point_budget(self.config, point)
         return measure_rounds(contenders, pairs, warmup=settings.warmup, min_rounds=settings.min_rounds,
-                              max_seconds=point_budget(self.spec, point), precision=settings.precision)
+                              max_seconds=most, precision=settings.precision, min_seconds=fewest)
 
 
 def engine_timer(runner: Runner, feeds: dict[str, np.ndarray]) -> Callable[[int], list[float]]:

@@ -13,13 +13,15 @@ import ast
 import functools
 import importlib.util
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tasks import killpoints
 from tasks.backends.base import Backend, BackendUnavailable, Runner, get_backend
 from tasks.backends.table import BACKENDS
-from tasks.calibration_feeds import prompt_batches
+from tasks.calibration_feeds import CalibrationSource, prompt_batches
 from tasks.models import ModelSource, model_source_digest
 from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec, ProfileSpec, TargetSpec
@@ -32,6 +34,26 @@ TORCH_TOOLS = ("torch", "transformers")
 
 class BuildUnavailable(BackendUnavailable):
     """This machine cannot build the target (runtime absent, wrong GPU); the message says why."""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """What a build reads of a pipeline: the target and precision it builds for and the profiles its engine
+    accepts. A backend that builds from the model itself (`source = "torch"`) also reads the model (the
+    others only its pipeline name, for messages) and, where its build calibrates, the calibration feeds
+    (`calibration`, else None)."""
+
+    source: ModelSource
+    target: TargetSpec
+    precision: str | None
+    profiles: tuple[ProfileSpec, ...]
+    calibration: CalibrationSource | None
+
+    @classmethod
+    def of(cls, spec: PipelineSpec, target_name: str, precision: str | None) -> BuildConfig:
+        target = spec.target(target_name)
+        return cls(ModelSource.of(spec), target, precision, tuple(spec.profiles),
+                   CalibrationSource.of(spec) if target.calibrates(precision) else None)
 
 
 def build_key(precision_result: StageResult, target: TargetSpec, backend: Backend,
@@ -81,29 +103,28 @@ def backend_imports(module: str) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_result: StageResult | None) -> Work:
+def build_work(config: BuildConfig, precision_result: StageResult | None) -> Work:
     """The engine for one (precision, target); raises BuildUnavailable when this machine cannot build it.
 
     An `onnx` backend builds from the precision stage's graph (`precision_result`); a `torch` one
-    from the model's own files, for `precision` (it has no precision stage: None). The target's name
+    from the model's own files, for config.precision (it has no precision stage: None). The target's name
     is part of the key: an engine records the target it was built for, and its runner and benchmark
     read that target's settings back.
     """
-    target = spec.target(target_name)
+    target, precision, model, pipeline = config.target, config.precision, config.source, config.source.pipeline
     backend = get_backend(target.backend)
     if why := backend.missing(target):
-        raise BuildUnavailable(f"pipeline {spec.name}, target {target.name} ({backend.name}): cannot build "
+        raise BuildUnavailable(f"pipeline {pipeline}, target {target.name} ({backend.name}): cannot build "
                                f"here: {why}")
     from_torch = BACKENDS[target.backend].source == "torch"
-    profiles = list(spec.profiles)
-    if from_torch and spec.model_dir is None:
-        raise BuildUnavailable(f"pipeline {spec.name}, target {target.name}: backend {backend.name} builds from the "
+    profiles = list(config.profiles)
+    if from_torch and model.directory is None:
+        raise BuildUnavailable(f"pipeline {pipeline}, target {target.name}: backend {backend.name} builds from the "
                                "model's own files; set model.path to a local copy of the model")
-    calibrates = target.calibrates(precision)
     if from_torch:
-        upstream = torch_upstream(spec, target, precision)
+        upstream = torch_upstream(config)
     elif precision_result is None:
-        raise ValueError(f"pipeline {spec.name}, target {target.name}: backend {backend.name} builds from the "
+        raise ValueError(f"pipeline {pipeline}, target {target.name}: backend {backend.name} builds from the "
                          "precision stage's ONNX, and none was given")
     else:
         upstream = {"precision": precision_result.key}
@@ -114,8 +135,8 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
         started = time.perf_counter()
         if from_torch:
             source_name = "model"
-            calibration = prompt_batches(spec) if calibrates else None
-            facts = backend.build_from_model(spec.model_dir, spec.model.task, precision, target, profiles, w.dir,
+            calibration = prompt_batches(config.calibration) if config.calibration else None
+            facts = backend.build_from_model(model.directory, model.model.task, precision, target, profiles, w.dir,
                                              calibration=calibration)
         else:
             source = backend.source_model(precision_result.path)
@@ -136,18 +157,18 @@ def build_work(spec: PipelineSpec, target_name: str, precision: str, precision_r
                           "precision": precision if from_torch else precision_result.outputs.get("precision"),
                           "source_model": source_name})
 
-    return Work(spec.name, STAGE, parts, _code(target, calibrates), produce, inputs=upstream, config=parts["config"],
-                tools=parts["tools"])
+    return Work(pipeline, STAGE, parts, _code(target, config.calibration is not None), produce, inputs=upstream,
+                config=parts["config"], tools=parts["tools"])
 
 
-def torch_upstream(spec: PipelineSpec, target: TargetSpec, precision: str) -> dict[str, Any]:
+def torch_upstream(config: BuildConfig) -> dict[str, Any]:
     """What an engine built from the model itself depends on: the model's files, its task, the precision,
     and, where the build calibrates, the calibration settings and text."""
-    upstream: dict[str, Any] = {"model": model_source_digest(ModelSource.of(spec)), "task": spec.model.task,
-                                "precision": precision}
-    if target.calibrates(precision):
-        upstream["calibration"] = {**spec.calibration.model_dump(mode="json"),
-                                   "data_sha256": file_digest(spec.resolve(spec.calibration.data))}
+    upstream: dict[str, Any] = {"model": model_source_digest(config.source), "task": config.source.model.task,
+                                "precision": config.precision}
+    if config.calibration is not None:
+        upstream["calibration"] = {**config.calibration.calibration.model_dump(mode="json"),
+                                   "data_sha256": file_digest(config.calibration.data_path)}
     return upstream
 
 
@@ -155,12 +176,13 @@ def run_build(spec: PipelineSpec, precision_result: StageResult | None, target_n
               force: bool = False, precision: str | None = None) -> StageResult:
     """The engine for `target_name`; raises BuildUnavailable when this machine cannot build it."""
     precision = precision or (precision_result.outputs.get("precision") if precision_result else None)
-    return run_stage(build_work(spec, target_name, precision, precision_result), store, force)
+    return run_stage(build_work(BuildConfig.of(spec, target_name, precision), precision_result), store, force)
 
 
-def open_engine(spec: PipelineSpec, build_result: StageResult, threads: int | None = None) -> Runner:
-    """A runner for a built engine, on the target it was built for (optionally with another thread count)."""
-    target = spec.target(build_result.outputs["target"])
+def open_engine(targets: Sequence[TargetSpec], build_result: StageResult, threads: int | None = None) -> Runner:
+    """A runner for a built engine, on the target it was built for, found by name among `targets` (the
+    pipeline's), optionally with another thread count."""
+    target = next(t for t in targets if t.name == build_result.outputs["target"])
     if threads is not None:
         target = target.with_threads(threads)
     return get_backend(build_result.outputs["backend"]).load(Path(build_result.path), target)

@@ -5,41 +5,58 @@ One definition, so that the precision stage and a calibrating build see the same
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 
 from tasks import inputs
 from tasks.models import ModelSource, load_reference, load_tokenizer
-from tasks.spec import PipelineSpec
+from tasks.spec import CalibrationSpec, PipelineSpec
 
 
-def calibration_past(spec: PipelineSpec) -> int:
-    """Decoders with a KV cache calibrate at the optimization profile's typical past length."""
-    return spec.profiles[0].past[1] if spec.model.has_past and spec.profiles[0].past else 0
+@dataclass(frozen=True)
+class CalibrationSource:
+    """What calibration feeds are made of: the model (its tokenizer, and the reference that computes a decoder's
+    KV cache), `calibration:` with its text resolved (`data_path`), and the past length decoders with a KV
+    cache calibrate at (the first profile's typical one; 0 otherwise)."""
+
+    source: ModelSource
+    calibration: CalibrationSpec
+    data_path: Path
+    past: int
+
+    @classmethod
+    def of(cls, spec: PipelineSpec) -> CalibrationSource:
+        first = spec.profiles[0]
+        past = first.past[1] if spec.model.has_past and first.past else 0
+        return cls(ModelSource.of(spec), spec.calibration, spec.resolve(spec.calibration.data), past)
 
 
-def calibration_batches(spec: PipelineSpec, input_names: list[str],
+def calibration_batches(calib: CalibrationSource, input_names: list[str],
                         past: int | None = None) -> list[dict[str, np.ndarray]]:
-    """spec.calibration.samples lines of the calibration text, tokenized into [batch_size, seq_len] feeds:
+    """calibration.samples lines of the calibration text, tokenized into [batch_size, seq_len] feeds:
     for a decoder, after a KV cache of `past` tokens (default: the profile's typical past; 0 for a
     graph over whole prompts)."""
-    calib, model = spec.calibration, ModelSource.of(spec)
-    texts = inputs.read_texts(spec.resolve(calib.data), limit=calib.samples)
+    settings, model = calib.calibration, calib.source
+    texts = inputs.read_texts(calib.data_path, limit=settings.samples)
     tokenizer = load_tokenizer(model)
-    past = calibration_past(spec) if past is None else past
-    with_cache = spec.model.is_decoder and any(name.startswith(inputs.PAST_PREFIX) for name in input_names)
+    past = calib.past if past is None else past
+    decoder = model.model.is_decoder
+    with_cache = decoder and any(name.startswith(inputs.PAST_PREFIX) for name in input_names)
     reference = load_reference(model) if with_cache else None  # it computes the cache
     batches = []
-    for start in range(0, len(texts), calib.batch_size):
-        chunk = texts[start:start + calib.batch_size]
-        if spec.model.is_decoder:
-            batches.append(inputs.decoder_feeds(tokenizer, reference, chunk, len(chunk), calib.seq_len, past,
+    for start in range(0, len(texts), settings.batch_size):
+        chunk = texts[start:start + settings.batch_size]
+        if decoder:
+            batches.append(inputs.decoder_feeds(tokenizer, reference, chunk, len(chunk), settings.seq_len, past,
                                                 input_names))
         else:
-            batches.append(inputs.encoder_feeds(tokenizer, chunk, len(chunk), calib.seq_len, input_names))
+            batches.append(inputs.encoder_feeds(tokenizer, chunk, len(chunk), settings.seq_len, input_names))
     return batches
 
 
-def prompt_batches(spec: PipelineSpec) -> list[dict[str, np.ndarray]]:
+def prompt_batches(calib: CalibrationSource) -> list[dict[str, np.ndarray]]:
     """Whole-prompt feeds (input_ids, attention_mask, no KV cache): for a build that calibrates the graph it
     compiles."""
-    return calibration_batches(spec, ["input_ids", "attention_mask"], past=0)
+    return calibration_batches(calib, ["input_ids", "attention_mask"], past=0)

@@ -46,8 +46,8 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
     """How many times faster version_b is than version_a at (batch, seq), with its 95% interval."""
     spec, name = owner.spec, registered_model_name(owner.spec.name, owner.target)
     point = {"batch": batch or spec.gate_point["batch"], "seq": seq or spec.gate_point["seq"],
-             "past": prefill_past(spec)}
-    threads = benchmark_threads(spec, spec.target(owner.target).intra_op_threads)
+             "past": prefill_past(spec.model, spec.profiles)}
+    threads = benchmark_threads(spec.benchmark, spec.target(owner.target).intra_op_threads)
     builds = {}  # labelled a and b, so a version compared with itself (the noise floor) is timed twice
     for label, version in (("a", version_a), ("b", version_b)):
         found = tracking.find_version(name, version)
@@ -55,7 +55,7 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
             raise SpecError([f"compare: {name} has no version {version!r} in the registry at "
                              f"{tracking.shown_uri(tracking.tracking_uri())}"])
         builds[label] = champion_build(spec, tracking.as_champion(name, found), store)
-    runners = {label: open_engine(spec, build, threads=threads) for label, build in builds.items()}
+    runners = {label: open_engine(spec.targets, build, threads=threads) for label, build in builds.items()}
     try:
         names = sorted({n for r in runners.values() for n in r.input_names})
         model = ModelSource.of(spec)

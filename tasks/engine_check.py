@@ -100,7 +100,7 @@ def run_once(spec: Any, stages: dict[str, StageResult]) -> None:
     io = next((s.outputs for s in (stages.get("build"), stages.get("export"))
                if s and s.outputs.get("inputs")), None)
     try:
-        runner = open_engine(spec, build)
+        runner = open_engine(spec.targets, build)
     except Exception as e:  # noqa: BLE001 - any load error means the engine is unusable
         raise EngineRejected(f"{build.path}: the engine does not load: {type(e).__name__}: {e}") from e
     with runner:

@@ -72,16 +72,18 @@ def candidate_steps(spec: PipelineSpec, candidate: Candidate, store: ArtifactSto
     stops the ONNX chain before any precision or engine is made from a wrong export).
     """
     p, t, label = candidate.precision, candidate.target, candidate.name
-    judged = functools.partial(Step, "accuracy", label, work=lambda b: accuracy.accuracy_work(spec, b, store), target=t)
+    judged = functools.partial(Step, "accuracy", label, target=t,
+                               work=lambda b: accuracy.accuracy_work(accuracy.AccuracyConfig.of(spec), b, store))
     if builds_from_torch(spec, t):
-        built = Step("build", label, (), lambda: build.build_work(spec, t, p, None), target=t)
+        built = Step("build", label, (), lambda: build.build_work(build.BuildConfig.of(spec, t, p), None), target=t)
         return [built, judged((built.ref,))]
     exported = Step("export", spec.name, (), lambda: export.export_work(export.ExportConfig.of(spec)))
     validated = Step("validate", spec.name, (exported.ref,),
                      lambda e: validate.validate_work(validate.ValidateConfig.of(spec), e))
     precise = Step("precision", f"{spec.name}/{p}", (exported.ref, validated.ref),
-                   lambda e, _validated: precision.precision_work(spec, e, p))
-    built = Step("build", label, (precise.ref,), lambda r: build.build_work(spec, t, p, r), target=t)
+                   lambda e, _validated: precision.precision_work(precision.PrecisionConfig.of(spec, p), e))
+    built = Step("build", label, (precise.ref,), lambda r: build.build_work(build.BuildConfig.of(spec, t, p), r),
+                 target=t)
     return [exported, validated, precise, built, judged((built.ref,))]
 
 
@@ -91,7 +93,8 @@ def benchmark_step(spec: PipelineSpec, target: str, candidates: list[str], champ
     needs = tuple(("build", name) for name in candidates)
 
     def work(*builds: StageResult) -> Work:
-        return benchmark.benchmark_work(spec, target, dict(zip(candidates, builds)), champion, champion_build)
+        return benchmark.benchmark_work(benchmark.BenchmarkConfig.of(spec, target), dict(zip(candidates, builds)),
+                                        champion, champion_build)
 
     return Step("benchmark", f"{spec.name}/{target}", needs, work, target=target)
 

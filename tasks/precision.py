@@ -16,6 +16,7 @@ import contextlib
 import fnmatch
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +25,10 @@ import onnx
 import onnxruntime as ort
 
 from tasks import killpoints
-from tasks.calibration_feeds import calibration_batches, calibration_past
+from tasks.calibration_feeds import CalibrationSource, calibration_batches
 from tasks.qdq_lint import check_qdq
 from tasks.stage import Work, run_stage
-from tasks.spec import PipelineSpec
+from tasks.spec import PipelineSpec, QuantizationSpec
 from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
 
 if TYPE_CHECKING:
@@ -47,23 +48,45 @@ CPU_DYNAMIC_OP_TYPES = QUANTIZED_OP_TYPES + ("Attention",)
 FORMATS = {"fp32": "passthrough", "fp16": "cast-fp16", "int8": "qdq-s8-tensorrt"}
 
 
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """What the precision stage reads of a pipeline for one precision: the pipeline's name (for messages) and,
+    for int8 only, `quantization:` and the calibration feeds, plus the pipeline itself when
+    quantization.accuracy_fallback is set (tasks/int8_fallback.py reads its model and accuracy gates).
+    fp32 and fp16 read nothing else: their key is the export's and the precision."""
+
+    pipeline: str
+    precision: str
+    quantization: QuantizationSpec | None = None
+    calibration: CalibrationSource | None = None
+    fallback: PipelineSpec | None = None
+
+    @classmethod
+    def of(cls, spec: PipelineSpec, precision: str) -> PrecisionConfig:
+        if precision != "int8":
+            return cls(spec.name, precision)
+        fallback = spec if spec.quantization.accuracy_fallback is not None else None
+        return cls(spec.name, precision, spec.quantization, CalibrationSource.of(spec), fallback)
+
+
 def precision_key(export_result: StageResult, spec: PipelineSpec, precision: str) -> str:
     """Export key + precision; for int8 also the quantization, calibration config and data digest."""
-    return precision_work(spec, export_result, precision).key
+    return precision_work(PrecisionConfig.of(spec, precision), export_result).key
 
 
-def precision_work(spec: PipelineSpec, export_result: StageResult, precision: str) -> Work:
+def precision_work(config: PrecisionConfig, export_result: StageResult) -> Work:
     """The exported graph rewritten for one precision (Cast nodes, or calibrated Q/DQ for int8)."""
+    precision = config.precision
     if precision not in FORMATS:
-        raise ValueError(f"pipeline {spec.name}: precision {precision!r} has no graph rewrite here; "
+        raise ValueError(f"pipeline {config.pipeline}: precision {precision!r} has no graph rewrite here; "
                          f"supported: {', '.join(FORMATS)} (bf16 is not: ONNX Runtime's CPU kernels cannot "
                          "run a bf16 graph, so its accuracy could not be checked before a GPU build)")
-    config, tools = _config(spec, precision), tool_versions(*TOOLS)
+    settings, tools = _settings(config), tool_versions(*TOOLS)
 
     def produce(w: StageWriter, _published: StageResult | None) -> None:
         source = export_result.file(MODEL_FILE)
         if not source.is_file():
-            raise FileNotFoundError(f"pipeline {spec.name}: export output {source} is missing")
+            raise FileNotFoundError(f"pipeline {config.pipeline}: export output {source} is missing")
         if precision == "fp32":
             _save(onnx.load(str(source)), w.dir / MODEL_FILE)
             w.outputs.update(_outputs(precision))
@@ -71,31 +94,32 @@ def precision_work(spec: PipelineSpec, export_result: StageResult, precision: st
             _save(to_fp16(onnx.load(str(source))), w.dir / MODEL_FILE)
             w.outputs.update(_outputs(precision))
         else:
-            w.outputs.update(_int8(spec, source, w.dir))
+            w.outputs.update(_int8(config, source, w.dir))
 
-    parts = {"upstream": {"export": export_result.key, "files": export_result.content}, "config": config,
+    parts = {"upstream": {"export": export_result.key, "files": export_result.content}, "config": settings,
              "tools": tools}
-    return Work(spec.name, STAGE, parts, CODE, produce, inputs={"export": export_result.key}, config=config,
+    return Work(config.pipeline, STAGE, parts, CODE, produce, inputs={"export": export_result.key}, config=settings,
                 tools=tools)
 
 
-def _config(spec: PipelineSpec, precision: str) -> dict[str, Any]:
-    config: dict[str, Any] = {"precision": precision, "format": FORMATS.get(precision)}
-    if precision == "int8":
-        config |= {"quantization": spec.quantization, "calibration": spec.calibration,
-                   "calibration_data_sha256": file_digest(spec.resolve(spec.calibration.data)),
-                   "calibration_past": calibration_past(spec), "op_types": list(QUANTIZED_OP_TYPES)}
-        if spec.quantization.accuracy_fallback is not None:  # the fallback aims at these gates
+def _settings(config: PrecisionConfig) -> dict[str, Any]:
+    settings: dict[str, Any] = {"precision": config.precision, "format": FORMATS.get(config.precision)}
+    if config.precision == "int8":
+        calib = config.calibration
+        settings |= {"quantization": config.quantization, "calibration": calib.calibration,
+                     "calibration_data_sha256": file_digest(calib.data_path), "calibration_past": calib.past,
+                     "op_types": list(QUANTIZED_OP_TYPES)}
+        if config.fallback is not None:  # the fallback aims at these gates
             from tasks.int8_fallback import gated_metrics
 
-            config["fallback_gates"] = gated_metrics(spec)
-    return config
+            settings["fallback_gates"] = gated_metrics(config.fallback)
+    return settings
 
 
 def run_precision(spec: PipelineSpec, export_result: StageResult, precision: str, store: ArtifactStore,
                   force: bool = False) -> StageResult:
     """Write the graph for one precision (cached by precision_key)."""
-    return run_stage(precision_work(spec, export_result, precision), store, force)
+    return run_stage(precision_work(PrecisionConfig.of(spec, precision), export_result), store, force)
 
 
 def _outputs(precision: str, **extra: Any) -> dict[str, Any]:
@@ -149,20 +173,19 @@ def text_calibration_reader(batches: list[dict[str, np.ndarray]]) -> Calibration
     return TextCalibrationReader()
 
 
-def excluded_nodes(model: onnx.ModelProto, spec: PipelineSpec) -> list[str]:
+def excluded_nodes(model: onnx.ModelProto, quant: QuantizationSpec, pipeline: str) -> list[str]:
     """Nodes kept in float: names matching quantization.exclude_nodes globs, and exclude_op_types.
 
     A glob that matches nothing is an error: a typo would otherwise quantize the very layer the
     user meant to protect, and only show up as an accuracy gate failure much later.
     """
-    quant = spec.quantization
     names = [node.name for node in model.graph.node]
     excluded = {node.name for node in model.graph.node if node.op_type in quant.exclude_op_types}
     for pattern in quant.exclude_nodes:
         matched = fnmatch.filter(names, pattern)
         if not matched:
             sample = ", ".join(n for n in names if n)[:300]
-            raise ValueError(f"pipeline {spec.name}: quantization.exclude_nodes: {pattern!r} matches no node of "
+            raise ValueError(f"pipeline {pipeline}: quantization.exclude_nodes: {pattern!r} matches no node of "
                              f"the exported graph; node names look like: {sample}")
         excluded.update(matched)
     return sorted(excluded)
@@ -253,16 +276,17 @@ def _tensorrt_options(model: onnx.ModelProto) -> dict[str, Any]:
             "QDQOpTypePerChannelSupportToAxis": {"Conv": 0, "ConvTranspose": 1}}
 
 
-def _int8(spec: PipelineSpec, source: Path, out_dir: Path) -> dict[str, Any]:
+def _int8(config: PrecisionConfig, source: Path, out_dir: Path) -> dict[str, Any]:
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
+    quant, calib = config.quantization, config.calibration
     model = onnx.load(str(source))
-    excluded = excluded_nodes(model, spec)
+    excluded = excluded_nodes(model, quant, config.pipeline)
     initializers = {init.name for init in model.graph.initializer}
     input_names = [i.name for i in model.graph.input if i.name not in initializers]
-    batches = calibration_batches(spec, input_names)
-    method = calibration_method(spec.calibration.method)
-    op_types = [t for t in QUANTIZED_OP_TYPES if t not in spec.quantization.exclude_op_types]
+    batches = calibration_batches(calib, input_names)
+    method = calibration_method(calib.calibration.method)
+    op_types = [t for t in QUANTIZED_OP_TYPES if t not in quant.exclude_op_types]
     calibration_path = out_dir / CALIBRATION_FILE
 
     def quantize(nodes_to_exclude: list[str]) -> None:
@@ -275,28 +299,28 @@ def _int8(spec: PipelineSpec, source: Path, out_dir: Path) -> dict[str, Any]:
 
     quantize(excluded)
     fallback = {}
-    if spec.quantization.accuracy_fallback is not None:
+    if config.fallback is not None:
         from tasks.int8_fallback import keep_until_passing
 
-        excluded, record = keep_until_passing(spec, source, out_dir / MODEL_FILE, batches, excluded, op_types,
-                                              quantize)
+        excluded, record = keep_until_passing(config.fallback, source, out_dir / MODEL_FILE, batches, excluded,
+                                              op_types, quantize)
         fallback = {"accuracy_fallback": record}
-    lint = check_qdq(onnx.load(str(out_dir / MODEL_FILE)), f"{spec.name} int8 {MODEL_FILE}")
-    cpu_excluded, uncalibrated = _cpu_int8(spec, model, source, out_dir, excluded, method)
+    lint = check_qdq(onnx.load(str(out_dir / MODEL_FILE)), f"{config.pipeline} int8 {MODEL_FILE}")
+    cpu_excluded, uncalibrated = _cpu_int8(quant, model, source, out_dir, excluded, method)
     if fallback:
         from tasks.int8_fallback import graph_metrics
 
-        fallback["accuracy_fallback"]["cpu_graph"] = graph_metrics(spec, source, out_dir / CPU_MODEL_FILE, batches)
-    calib = spec.calibration
+        fallback["accuracy_fallback"]["cpu_graph"] = graph_metrics(config.fallback, source, out_dir / CPU_MODEL_FILE,
+                                                                   batches)
+    settings = calib.calibration
     return _outputs("int8", excluded_nodes=excluded, lint={"passed": True, **lint}, **fallback,
-                    calibration={"data": calib.data, "sha256": file_digest(spec.resolve(calib.data)),
-                                 "samples": calib.samples, "method": calib.method, "seq_len": calib.seq_len,
-                                 "batch_size": calib.batch_size, "batches": len(batches)},
-                    cpu_format=spec.quantization.cpu_format, cpu_excluded_nodes=cpu_excluded,
-                    cpu_uncalibrated=uncalibrated)
+                    calibration={"data": settings.data, "sha256": file_digest(calib.data_path),
+                                 "samples": settings.samples, "method": settings.method, "seq_len": settings.seq_len,
+                                 "batch_size": settings.batch_size, "batches": len(batches)},
+                    cpu_format=quant.cpu_format, cpu_excluded_nodes=cpu_excluded, cpu_uncalibrated=uncalibrated)
 
 
-def _cpu_int8(spec: PipelineSpec, model: onnx.ModelProto, source: Path, out_dir: Path, excluded: list[str],
+def _cpu_int8(quant: QuantizationSpec, model: onnx.ModelProto, source: Path, out_dir: Path, excluded: list[str],
               method: CalibrationMethod) -> tuple[list[str], dict[str, Any]]:
     """model.cpu.onnx: the fused graph, int8 in the form ONNX Runtime's x86 kernels run fast.
 
@@ -305,14 +329,14 @@ def _cpu_int8(spec: PipelineSpec, model: onnx.ModelProto, source: Path, out_dir:
     """
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
-    skip_types = set(spec.quantization.exclude_op_types)
+    skip_types = set(quant.exclude_op_types)
     with tempfile.TemporaryDirectory(prefix="smelter-fuse-") as tmp:
         fused_path = Path(tmp) / "fused.onnx"
         fuse_for_cpu(source, fused_path)
         fused = onnx.load(str(fused_path))
         cpu_excluded = fused_exclusions(model, fused, excluded)
         common = {"per_channel": True, "weight_type": QuantType.QInt8}
-        if spec.quantization.cpu_format == "dynamic":
+        if quant.cpu_format == "dynamic":
             quantize_dynamic(fused_path, out_dir / CPU_MODEL_FILE, nodes_to_exclude=cpu_excluded,
                              op_types_to_quantize=[t for t in CPU_DYNAMIC_OP_TYPES if t not in skip_types], **common)
             return cpu_excluded, {"count": 0, "tensors": [], "nodes": []}

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tasks.backends.base import get_backend
-from tasks.build import BuildUnavailable, build_key, open_engine, run_build, torch_upstream
-from tasks.calibration_feeds import prompt_batches
-from tasks.spec import PipelineSpec, load
+from tasks.build import BuildConfig, BuildUnavailable, build_key, open_engine, run_build, torch_upstream
+from tasks.calibration_feeds import CalibrationSource, prompt_batches
+from tasks.spec import PipelineSpec, TargetSpec, load
 from tasks.store import ArtifactStore, StageResult
 from tests.fixtures.models import write_pipelines
 from tests.fixtures.onnx_graphs import write_mlp
@@ -72,7 +72,7 @@ def test_a_renamed_target_gets_its_own_engine(tmp_path: Path) -> None:
     first = run_build(make_spec(), fp32, "cpu", store)
     moved = run_build(renamed, fp32, "cpu-x86", store)
     assert moved.key != first.key and moved.outputs["target"] == "cpu-x86"
-    with open_engine(renamed, moved) as runner:
+    with open_engine(renamed.targets, moved) as runner:
         assert runner.infer({"x": np.ones((2, 16), np.float32)})["y"].shape == (2, 8)
 
 
@@ -85,7 +85,7 @@ def test_int8_builds_from_the_cpu_graph(tmp_path: Path) -> None:
 def test_built_engine_opens_as_a_runner(tmp_path: Path) -> None:
     store, spec = ArtifactStore(tmp_path / "artifacts"), make_spec()
     result = run_build(spec, precision_output(store, tmp_path), "cpu", store)
-    with open_engine(spec, result) as runner:
+    with open_engine(spec.targets, result) as runner:
         assert runner.infer({"x": np.ones((2, 16), dtype=np.float32)})["y"].shape == (2, 8)
 
 
@@ -109,17 +109,21 @@ def test_a_static_fp8_build_depends_on_the_calibration_text_and_reads_whole_prom
     static = spec.target("h200")
     per_token = static.model_copy(update={"fp8_scaling": "per-token"})
     sensitive = per_token.model_copy(update={"fp8_bf16_share": 0.1})  # measures sensitivity on the text too
-    before = {"static": torch_upstream(spec, static, "fp8"), "per-token": torch_upstream(spec, per_token, "fp8"),
-              "sensitive": torch_upstream(spec, sensitive, "fp8"), "bf16": torch_upstream(spec, static, "bf16")}
+
+    def upstream(target: TargetSpec, precision: str) -> dict[str, object]:
+        return torch_upstream(BuildConfig.of(spec.model_copy(update={"targets": [target]}), "h200", precision))
+
+    before = {"static": upstream(static, "fp8"), "per-token": upstream(per_token, "fp8"),
+              "sensitive": upstream(sensitive, "fp8"), "bf16": upstream(static, "bf16")}
     assert before["static"]["calibration"]["samples"] == 16 and "calibration" not in before["per-token"]
     assert before["sensitive"]["calibration"] == before["static"]["calibration"]
     data = tmp_path / "data" / "calibration.txt"
     data.write_text(data.read_text() + "One more line of calibration text.\n")
-    assert torch_upstream(spec, static, "fp8") != before["static"]
-    assert torch_upstream(spec, sensitive, "fp8") != before["sensitive"]
-    assert torch_upstream(spec, per_token, "fp8") == before["per-token"]
-    assert torch_upstream(spec, static, "bf16") == before["bf16"]
-    feeds = prompt_batches(spec)
+    assert upstream(static, "fp8") != before["static"]
+    assert upstream(sensitive, "fp8") != before["sensitive"]
+    assert upstream(per_token, "fp8") == before["per-token"]
+    assert upstream(static, "bf16") == before["bf16"]
+    feeds = prompt_batches(CalibrationSource.of(spec))
     assert len(feeds) == 4  # 16 samples, 4 per batch
     for batch in feeds:
         assert set(batch) == {"input_ids", "attention_mask"} and batch["input_ids"].shape == (4, 32)
