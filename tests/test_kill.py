@@ -26,7 +26,7 @@ import pytest
 
 from tasks.killpoints import POINTS
 from tests.fixtures.cli_runs import (MODEL, PIPELINE, REPO, CliSetup, assert_artifacts_intact, assert_registry_sound,
-                                     cli_setup, cli_setup_own_server, copy_artifacts, deliveries, fresh_store,
+                                     cli_setup, cli_setup_own_server, copy_artifacts, deliveries, empty_store,
                                      held_slots, left_in_tmpdir, prefect_server_processes, run_cli, run_statuses,
                                      summary)
 
@@ -63,7 +63,7 @@ def test_a_run_killed_at_any_point_is_completed_by_the_next_without_loss(
         point: str, cli_setup_own_server: CliSetup, tmp_path: Path) -> None:
     setup = cli_setup_own_server
     setup.receiver.events.clear()
-    store = fresh_store(tmp_path / "store")
+    store = empty_store(setup, tmp_path / "store")
     artifacts = copy_artifacts(setup, tmp_path / "artifacts", drop_from=STAGE_OF_POINT.get(point))
 
     killed = run_cli(setup, store, artifacts, kill_at=point)
@@ -129,7 +129,7 @@ def test_ctrl_c_in_a_terminal_stops_the_run_cleanly_and_the_next_completes(
     for the slots to be given back; then a run completes."""
     setup = cli_setup_own_server
     setup.receiver.events.clear()
-    store = fresh_store(tmp_path / "store")
+    store = empty_store(setup, tmp_path / "store")
     artifacts = copy_artifacts(setup, tmp_path / "artifacts", drop_from=STAGE_OF_POINT.get(point))
     paused = tmp_path / "paused"
     env = setup.env | {"MLFLOW_TRACKING_URI": store, "SMELTER_KILL_AT": point, "SMELTER_KILL_SIGNAL": "PAUSE",
@@ -170,7 +170,7 @@ def test_a_run_stopped_by_sigint_or_sigterm_ends_cleanly_and_the_next_completes(
     completes."""
     setup = cli_setup_own_server
     setup.receiver.events.clear()
-    store = fresh_store(tmp_path / "store")
+    store = empty_store(setup, tmp_path / "store")
     artifacts = copy_artifacts(setup, tmp_path / "artifacts", drop_from=STAGE_OF_POINT.get(point))
 
     stopped = run_cli(setup, store, artifacts, kill_at=point, extra_env={"SMELTER_KILL_SIGNAL": name})
@@ -188,7 +188,7 @@ def test_a_run_stopped_by_sigint_or_sigterm_ends_cleanly_and_the_next_completes(
 def test_a_worker_killed_mid_build_frees_its_slot_on_a_lasting_server(cli_setup: CliSetup, tmp_path: Path) -> None:
     """Against a lasting `prefect server`, a run killed while it holds a build slot: the next run on this host
     finds the holder dead and takes the slot over at once (the server itself would expire it a lease later)."""
-    store = fresh_store(tmp_path / "store")
+    store = empty_store(cli_setup, tmp_path / "store")
     artifacts = copy_artifacts(cli_setup, tmp_path / "artifacts", drop_from="build")
     killed = run_cli(cli_setup, store, artifacts, kill_at="build")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
