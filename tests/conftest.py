@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from collections.abc import Iterator
 
@@ -14,6 +15,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Each pytest-xdist worker has its own servers and stores; its own lock records too, so that one worker's
 # runs never wait on (or report) another's file locks on this host.
 os.environ.setdefault("SMELTER_LOCK_DIR", tempfile.mkdtemp(prefix=f"smelter-locks-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"))
+
+# A suite started in the background of a non-interactive shell (`make test &`, a CI step run so) inherits
+# SIGINT ignored, and so would every run it starts: the Ctrl-C tests, which send SIGINT as a terminal does,
+# would then test nothing. Give SIGINT its default back; the runs started from here inherit that.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 pytest_plugins = ["tests.fixtures.models", "tests.fixtures.servers", "tests.fixtures.fleet"]
 
