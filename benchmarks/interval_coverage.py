@@ -91,8 +91,7 @@ def stop(a: np.ndarray, b: np.ndarray, min_rounds: int, precision: float) -> tup
         rounds.samples_ms["a"].append([float(a[n - 1])])
         rounds.samples_ms["b"].append([float(b[n - 1])])
         if n >= max(min_rounds, MIN_ROUNDS):
-            rounds.look()
-            if rounds.conclusive(precision) or n == a.size:
+            if rounds.look(precision) or n == a.size:
                 break
     return n, rounds.ratio("a", "b")
 

@@ -73,14 +73,17 @@ class Rounds:
         return paired_ratio(self.slot_ms(baseline), self.slot_ms(contender),
                             widen_at_least=self.widest.get(frozenset((baseline, contender)), 1.0))
 
-    def look(self) -> None:
-        """Record each pair's widening at these rounds. The widening is estimated from the same few rounds as
+    def look(self, precision: float) -> bool:
+        """Record each pair's widening at these rounds; whether every pair is now conclusive. The widening is estimated from the same few rounds as
         the ratio, and is lowest just when those rounds happen to be alike; were the rounds allowed to stop at
         such a dip, a ratio of correlated rounds would be covered 92-93% of the time instead of 94%
         (benchmarks/interval_coverage.py). Keeping the largest seen costs rounds only where rounds are alike."""
+        conclusive = True
         for base, other in self.pairs:
-            key = frozenset((base, other))
-            self.widest[key] = self.ratio(base, other).widening
+            ratio = self.ratio(base, other)
+            self.widest[frozenset((base, other))] = ratio.widening
+            conclusive = conclusive and ratio.conclusive(precision)
+        return conclusive
 
     def conclusive(self, precision: float) -> bool:
         return all(self.ratio(base, other).conclusive(precision) for base, other in self.pairs)
@@ -146,8 +149,8 @@ def measure_rounds(contenders: list[Contender], pairs: list[tuple[str, str]], *,
         if spent_at is None and rounds.seconds >= max_seconds:
             spent_at = index + 1
         if index + 1 >= floor:
-            rounds.look()
-            if spent_at is not None or (rounds.seconds >= span and rounds.conclusive(precision)):
+            conclusive = rounds.look(precision)
+            if spent_at is not None or (rounds.seconds >= span and conclusive):
                 break
     if spent_at is not None and spent_at < floor:
         rounds.extended = (f"the {max_seconds:g}s budget ran out after {spent_at} round(s); measured on to {floor} "
