@@ -516,14 +516,12 @@ def decode_step_section(args: argparse.Namespace, work: Path, ceilings: dict[str
     section: dict[str, Any] = {"past": past, "cache_len": max_len, "training": training,
                                "bf16_bounds_ms": {f"decode_b{b}": round(gm.bytes_bound_ms(
                                    shape.decode_bytes(b, past, 2), ceilings["copy"]["tb_per_s"]), 4) for b in (1, 64)}}
-    if args.tune_gemv:  # each product alone first; the step variants then run the fastest block shapes
-        from tasks.backends import decode_products as dp
-
+    section["decode_attention"] = decode_attention_kernels(shape, ceilings, past, max_len, args.repeats)
+    if args.tune_gemv:  # each product alone first; the step variants then run the fastest kernels and block shapes
         section["decode_products"] = decode_product_kernels(shape, ceilings, args.repeats)
-        dp.GEMV_CONFIGS.update(best_gemv_configs(section["decode_products"]))
-        section["gemv_configs"] = {f"{n}x{k}x{b}": list(c) for (n, k, b), c in dp.GEMV_CONFIGS.items()}
+        section["decode_configs"] = apply_decode_configs(best_decode_configs(section["decode_products"]))
         report.add("decode_step", section)
-        print(f"gemv configs: {json.dumps(section['gemv_configs'])}", flush=True)
+        print(f"decode configs: {json.dumps(section['decode_configs'])}", flush=True)
     windows = text_prompts(64, 16, 1, 11)[0]
     reference = copy.deepcopy(model).float()
     with torch.no_grad():
@@ -588,61 +586,161 @@ def decode_step_section(args: argparse.Namespace, work: Path, ceilings: dict[str
     report.add("decode_step", section)
 
 
-def best_gemv_configs(products: dict[str, Any]) -> dict[tuple[int, int, int], tuple[int, int, int]]:
-    """The fastest weight-streaming block shape per product and weight width, from decode_product_kernels."""
-    best: dict[tuple[int, int, int], tuple[float, tuple[int, int, int]]] = {}
+GEMV_CANDIDATES = ((4, 512, 4), (8, 512, 4), (8, 1024, 8), (32, 256, 4), (16, 1024, 8), (8, 2048, 8), (4, 2048, 4),
+                   (2, 4096, 4), (4, 4096, 8), (2, 8192, 8))
+ATTENTION_CANDIDATES = ((32, 3, 4), (64, 2, 4), (64, 3, 4), (64, 4, 4), (64, 3, 8), (128, 3, 8))
+ROWS_CANDIDATES = {1: ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4)),
+                   64: ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3))}
+
+
+def graph_call_us(fn: Any, copies: int, repeats: int) -> dict[str, float]:
+    """Device time per call of `fn(i)`, i over `copies` inputs, replayed from one CUDA graph of all of
+    them: the launch gaps are those of a replayed decode step, not the host's (calls timed one by
+    one measured the host's launch, 55-70 us, for products that read in a few us)."""
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    stats = gm.summary(gm.cuda_times_ms(graph.replay, 3, repeats))
+    return {k: round(v * 1e3 / copies, 2) for k, v in stats.items() if k.endswith("_ms")}
+
+
+def best_decode_configs(products: dict[str, Any]) -> dict[str, Any]:
+    """From decode_product_kernels: the fastest block shape of each kernel per product, weight width
+    and rows, and per weight width which kernel serves 1 row and 64 rows (the one whose best shapes
+    sum to the least time over all products)."""
+    gemv: dict[tuple[int, int, int], tuple[float, tuple[int, ...]]] = {}
+    rows: dict[tuple[int, int, int, int], tuple[float, tuple[int, ...]]] = {}
+    totals: dict[tuple[str, int, int], float] = {}
     for row in products.values():
         if not isinstance(row, dict) or "n" not in row:
             continue
+        best: dict[tuple[str, int, int], float] = {}
         for way, figures in row.items():
-            found = re.fullmatch(r"gemv_(fp8|bf16)_(\d+)x(\d+)w(\d+)_m1", way)
-            if found and isinstance(figures, dict):
-                key = (row["n"], row["k"], 1 if found[1] == "fp8" else 2)
-                if key not in best or figures["us"] < best[key][0]:
-                    best[key] = (figures["us"], (int(found[2]), int(found[3]), int(found[4])))
-    return {key: config for key, (_, config) in best.items()}
+            if not isinstance(figures, dict):
+                continue
+            width = 1 if "_fp8_" in way else 2
+            found = re.fullmatch(r"gemv_(?:fp8|bf16)_(\d+)x(\d+)w(\d+)_m1", way)
+            if found:
+                key = (row["n"], row["k"], width)
+                if key not in gemv or figures["us"] < gemv[key][0]:
+                    gemv[key] = (figures["us"], tuple(int(g) for g in found.groups()))
+            found = re.fullmatch(r"rows_(?:fp8|bf16)_(\d+)x(\d+)w(\d+)s(\d+)_m(\d+)", way)
+            if found:
+                m = int(found[5])
+                key4 = (row["n"], row["k"], width, 16 if m <= 16 else 64)
+                if key4 not in rows or figures["us"] < rows[key4][0]:
+                    rows[key4] = (figures["us"], tuple(int(g) for g in found.groups()[:4]))
+            kind = ("gemv" if way.startswith("gemv_") else "rows" if way.startswith("rows_")
+                    else "cublas" if way.startswith(("cublas_bf16_", "fp8_rows_cublas")) else None)
+            if kind:
+                k3 = (kind, width, int(way.rsplit("_m", 1)[1]))
+                best[k3] = min(best.get(k3, float("inf")), figures["us"])
+        for k3, us in best.items():
+            totals[k3] = totals.get(k3, 0.0) + us
+    choice: dict[str, Any] = {}
+    for width in (1, 2):
+        one = {k: totals.get((k, width, 1), float("inf")) for k in ("gemv", "rows")}
+        many = {k: totals.get((k, width, 64), float("inf")) for k in ("rows", "cublas")}
+        choice[width] = {"gemv_rows": 1 if one["gemv"] <= one["rows"] else 0,
+                         "rows_kernel_rows": 64 if many["rows"] <= many["cublas"] else 16,
+                         "us_1_row": {k: round(v, 1) for k, v in one.items()},
+                         "us_64_rows": {k: round(v, 1) for k, v in many.items()}}
+    return {"gemv": {k: c for k, (_, c) in gemv.items()}, "rows": {k: c for k, (_, c) in rows.items()},
+            "choice": choice}
+
+
+def apply_decode_configs(best: dict[str, Any]) -> dict[str, Any]:
+    """Set decode_products' block shapes and row thresholds to `best`; what it set, for the report."""
+    from tasks.backends import decode_products as dp
+
+    dp.GEMV_CONFIGS.update(best["gemv"])
+    dp.ROWS_CONFIGS.update(best["rows"])
+    for width, c in best["choice"].items():
+        dp.GEMV_ROWS[width] = c["gemv_rows"]
+        dp.ROWS_KERNEL_ROWS[width] = c["rows_kernel_rows"]
+    return {"gemv_configs": {f"{n}x{k}x{w}": list(c) for (n, k, w), c in dp.GEMV_CONFIGS.items()},
+            "rows_configs": {f"{n}x{k}x{w}x{m}": list(c) for (n, k, w, m), c in dp.ROWS_CONFIGS.items()},
+            "gemv_rows": dict(dp.GEMV_ROWS), "rows_kernel_rows": dict(dp.ROWS_KERNEL_ROWS), "choice": best["choice"]}
 
 
 def decode_product_kernels(shape: gm.DecoderShape, ceilings: dict[str, Any], repeats: int) -> dict[str, Any]:
-    """Each decode product alone at 1 and 64 rows: cuBLAS on bf16 weights, smelter::decode_linear on
-    bf16 and e4m3 weights (the weight-streaming kernel in its default and other block shapes at 1 row),
-    as achieved bytes per second of weights read, rotating over copies of the weights larger than L2
-    together (as a step reads each weight once), and each one's relative error vs fp32."""
+    """Each decode product alone at 1 and 64 rows, fused as the step runs it (qkv, gate_up and the
+    head with the rms_norm before them, o with the residual add after it, down with silu(gate) * up
+    before it and the residual add after it): smelter::decode_linear on bf16 and e4m3 weights as
+    configured, and each of its ways in several block shapes (the CUDA-core kernel at 1 row, the
+    norm or gate kernel then the tensor-core one at 1 and 64 rows, the norm or gate kernel then
+    cuBLAS at 64 rows, and plain cuBLAS on the unfused input for reference), as achieved bytes per
+    second of weights read, each call timed inside a CUDA graph of many (graph_call_us) rotating over
+    copies of the weights larger than L2 together (as a step reads each weight once), and each one's
+    relative error vs fp32."""
     from tasks.backends import decode_products as dp
 
-    products = {"qkv": ((shape.heads + 2 * shape.kv_heads) * shape.head_dim, shape.hidden),
-                "o": (shape.hidden, shape.heads * shape.head_dim), "gate_up": (2 * shape.intermediate, shape.hidden),
-                "down": (shape.hidden, shape.intermediate), "head": (shape.vocab, shape.hidden)}
+    products = {"qkv": ((shape.heads + 2 * shape.kv_heads) * shape.head_dim, shape.hidden, "norm"),
+                "o": (shape.hidden, shape.heads * shape.head_dim, "residual"),
+                "gate_up": (2 * shape.intermediate, shape.hidden, "norm"),
+                "down": (shape.hidden, shape.intermediate, "gated+residual"), "head": (shape.vocab, shape.hidden, "norm")}
     out: dict[str, Any] = {"copy_tb_per_s": ceilings["copy"]["tb_per_s"]}
-    for name, (n, k) in products.items():
+    for name, (n, k, fused) in products.items():
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         quantised, scale = dp.quantize_weight(w)
         copies = max(2, -(-(256 << 20) // (n * k)))
         bf16s = [w.clone() for _ in range(copies)]
         fp8s = [quantised.clone() for _ in range(copies)]
-        row: dict[str, Any] = {"n": n, "k": k}
+        row: dict[str, Any] = {"n": n, "k": k, "fused": fused}
         for rows in (1, 64):
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            exact = x.float() @ w.float().t()
-            exact_fp8 = x.float() @ (quantised.float() * scale[:, None]).t()
+            x = torch.randn(rows, 2 * k if "gated" in fused else k, device="cuda", dtype=torch.bfloat16)
+            norm = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+            residual = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+            kw: dict[str, Any] = {"gated": "gated" in fused, "eps": 1e-5, "norm": norm if fused == "norm" else None,
+                                  "residual": residual if "residual" in fused else None}
+            fp32 = {key: v.float() if isinstance(v, torch.Tensor) else v for key, v in kw.items()}
+            exact = dp.reference(x.float(), w.float(), None, **fp32)
+            exact_fp8 = dp.reference(x.float(), quantised.float(), scale, **fp32)
+            prepared = dp.product_input(x, kw["gated"], kw["norm"], kw["eps"])
+            res = kw["residual"]
+
+            def prepare() -> torch.Tensor:
+                return dp.prepared_input(x, kw["gated"], kw["norm"], kw["eps"])
+
+            def cublas(i: int) -> torch.Tensor:
+                inputs = prepare()
+                if res is not None:
+                    return torch.addmm(res, inputs, bf16s[i].t())
+                return torch.nn.functional.linear(inputs, bf16s[i])
+
+            def cublas_fp8(i: int) -> torch.Tensor:
+                y = dp.fp8_rows_product(prepare(), fp8s[i], scale)
+                return y.add_(res) if res is not None else y
+
             ways: dict[str, Any] = {
-                "cublas_bf16": (lambda i: torch.nn.functional.linear(x, bf16s[i]), 2, exact),
-                "smelter_bf16": (lambda i: torch.ops.smelter.decode_linear(x, bf16s[i], None), 2, exact),
-                "smelter_fp8": (lambda i: torch.ops.smelter.decode_linear(x, fp8s[i], scale), 1, exact_fp8)}
+                "cublas_unfused_bf16": (lambda i: torch.nn.functional.linear(prepared, bf16s[i])
+                                        + (res if res is not None else 0), 2, exact),
+                "smelter_bf16": (lambda i: torch.ops.smelter.decode_linear(x, bf16s[i], None, **kw), 2, exact),
+                "smelter_fp8": (lambda i: torch.ops.smelter.decode_linear(x, fp8s[i], scale, **kw), 1, exact_fp8)}
             if rows == 1:
-                for bn, bk, warps in ((1, 2048, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4),
-                                      (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 4), (32, 512, 8)):
-                    ways[f"gemv_fp8_{bn}x{bk}w{warps}"] = (
-                        lambda i, c=(bn, bk, warps): dp.gemv(x, fp8s[i], scale, c), 1, exact_fp8)
-                    ways[f"gemv_bf16_{bn}x{bk}w{warps}"] = (
-                        lambda i, c=(bn, bk, warps): dp.gemv(x, bf16s[i], None, c), 2, exact)
+                for c in (c for c in GEMV_CANDIDATES if c[1] <= k):
+                    tag = "{}x{}w{}".format(*c)
+                    ways[f"gemv_fp8_{tag}"] = (lambda i, c=c: dp.gemv(x, fp8s[i], scale, **kw, config=c), 1, exact_fp8)
+                    ways[f"gemv_bf16_{tag}"] = (lambda i, c=c: dp.gemv(x, bf16s[i], None, **kw, config=c), 2, exact)
+            if rows == 64:
+                ways["cublas_bf16"] = (cublas, 2, exact)
+                ways["fp8_rows_cublas_fp8"] = (cublas_fp8, 1, exact_fp8)
+            for c in ROWS_CANDIDATES[rows]:
+                tag = "{}x{}w{}s{}".format(*c)
+                ways[f"rows_fp8_{tag}"] = (lambda i, c=c: dp.rows_product(prepare(), fp8s[i], scale, res, config=c),
+                                           1, exact_fp8)
+                ways[f"rows_bf16_{tag}"] = (lambda i, c=c: dp.rows_product(prepare(), bf16s[i], None, res, config=c),
+                                            2, exact)
             for way, (fn, itemsize, truth) in ways.items():
                 try:
                     error = float((fn(0).float() - truth).norm() / truth.norm())
-                    counter = iter(range(10**9))
-                    ms = gm.summary(gm.cuda_times_ms(lambda: fn(next(counter) % copies), 10, max(repeats, 50)))["median_ms"]
-                    row[f"{way}_m{rows}"] = {"us": round(ms * 1e3, 2),
-                                             "tb_per_s": round(n * k * itemsize / (ms * 1e9), 3),
+                    timing = graph_call_us(fn, copies, max(repeats, 20))
+                    row[f"{way}_m{rows}"] = {"us": timing["median_ms"], "us_p10_p90": [timing["p10_ms"], timing["p90_ms"]],
+                                             "tb_per_s": round(n * k * itemsize / (timing["median_ms"] * 1e6), 3),
                                              "relative_error": float(f"{error:.3g}")}
                 except Exception as e:  # a block shape Triton refuses says so
                     row[f"{way}_m{rows}"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -650,6 +748,48 @@ def decode_product_kernels(shape: gm.DecoderShape, ceilings: dict[str, Any], rep
         print(f"decode product {name}: " + json.dumps({k: v["us"] if isinstance(v, dict) else v
                                                          for k, v in row.items()}), flush=True)
         del bf16s, fp8s
+        torch.cuda.empty_cache()
+    return out
+
+
+def decode_attention_kernels(shape: gm.DecoderShape, ceilings: dict[str, Any], past: int, max_len: int,
+                             repeats: int) -> dict[str, Any]:
+    """smelter::decode_attention's kernels in several (positions per step, stages) against its torch
+    reference (the unfused step's attention) at batch 1 and 64, each call timed inside a CUDA graph of
+    one call per layer's cache (graph_call_us), as bytes per second of the K and V read up to `past`,
+    with the relative error vs fp32; the op then runs the fastest configuration at each batch."""
+    from tasks.backends import decode_products as dp
+
+    out: dict[str, Any] = {}
+    d, heads, kvh = shape.head_dim, shape.heads, shape.kv_heads
+    for b in (1, 64):
+        caches = [(torch.randn(b, kvh, max_len, d, device="cuda", dtype=torch.bfloat16) * 0.5,
+                   torch.randn(b, kvh, max_len, d, device="cuda", dtype=torch.bfloat16)) for _ in range(shape.layers)]
+        q = torch.randn(b, heads * d, device="cuda", dtype=torch.bfloat16)
+        angles = torch.rand(d // 2, device="cuda") * 6.28
+        cos = torch.cat([angles.cos(), angles.cos()]).to(torch.bfloat16)
+        sin = torch.cat([angles.sin(), angles.sin()]).to(torch.bfloat16)
+        pos = torch.tensor(past, device="cuda")
+        k0, v0 = caches[0]
+        truth = dp.attention_reference(q.float(), cos.float(), sin.float(), k0.float(), v0.float(), pos)
+        kv_bytes = 2 * b * kvh * (past + 1) * d * 2
+        row: dict[str, Any] = {"kv_bytes": kv_bytes}
+        ways = {"smelter_s{}x{}w{}".format(*c): (lambda i, c=c: dp.attention(q, cos, sin, *caches[i], pos, config=c))
+                for c in ATTENTION_CANDIDATES}
+        ways["torch"] = lambda i: dp.attention_reference(q, cos, sin, *caches[i], pos)
+        for way, fn in ways.items():
+            error = float((fn(0).float() - truth).norm() / truth.norm())
+            timing = graph_call_us(fn, len(caches), max(repeats, 20))
+            row[way] = {"us": timing["median_ms"], "us_p10_p90": [timing["p10_ms"], timing["p90_ms"]],
+                        "tb_per_s": round(kv_bytes / (timing["median_ms"] * 1e6), 3),
+                        "relative_error": float(f"{error:.3g}")}
+        best = min((w for w in row if w.startswith("smelter_")), key=lambda w: row[w]["us"])
+        config = tuple(int(g) for g in re.fullmatch(r"smelter_s(\d+)x(\d+)w(\d+)", best).groups())
+        # the op's configuration for this batch's kind of launch: split positions (few sequences) or not
+        row["config"] = dp.ATTENTION_CONFIGS["split" if b * kvh < dp.ATTENTION_PROGRAMS else "whole"] = config
+        out[f"b{b}"] = row
+        print(f"decode attention b{b}: {json.dumps(row)}", flush=True)
+        del caches
         torch.cuda.empty_cache()
     return out
 

@@ -375,3 +375,15 @@ def test_a_compiled_engine_from_before_shared_weights_is_refused_with_the_remedy
     target = InductorTarget(name="cpu-pt", backend="inductor", device="cpu")
     with pytest.raises(EngineMismatch, match="has no weights.safetensors: .* rebuild it"):
         InductorBackend().load(tmp_path, target)
+
+
+def test_every_triton_kernel_of_the_decode_ops_travels_with_the_engine() -> None:
+    """A kernel left out of decode_products.KERNELS is compiled again by every fresh process that loads an engine."""
+    import ast
+
+    from tasks.backends import decode_products, kernel_bundle
+
+    tree = ast.parse(Path(decode_products.__file__).read_text())
+    jitted = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+              and any(ast.unparse(d).endswith("triton.jit") for d in node.decorator_list)}
+    assert jitted and set(kernel_bundle.KERNELS) == jitted

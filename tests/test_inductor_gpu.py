@@ -186,29 +186,68 @@ def test_an_fp8_engine_keeps_its_most_sensitive_products_in_bf16(llama_dir: Path
     assert cosine > 0.98
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 65])
 def test_decode_products_compute_their_reference_on_fresh_inputs(rows: int) -> None:
-    """smelter::decode_linear on the GPU (the weight-streaming kernel up to GEMV_ROWS rows, cuBLAS above;
-    e4m3 weights with per-channel scales) against the same function in fp32, odd sizes included."""
+    """smelter::decode_linear on the GPU (the weight-streaming kernels up to ROWS_KERNEL_ROWS rows,
+    cuBLAS above; e4m3 weights with per-channel scales; the input as is, silu(gate) * up of it, or
+    its rms_norm; with and without a residual) against the same function in fp32, odd sizes
+    included, the output poisoned first."""
     from tasks.backends import decode_products as dp
 
     for n, k in ((3072, 2048), (1000, 304), (64, 8192)):
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        norm = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+        residual = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         quantised, scale = dp.quantize_weight(w)
-        for weight, s, limit in ((w, None, 1e-2), (quantised, scale, 1e-2 if rows <= dp.GEMV_ROWS else 0.06)):
-            if s is not None and (n % 16 or k % 16) and rows > dp.GEMV_ROWS:
+        for weight, s in ((w, None), (quantised, scale)):
+            cublas_fp8 = s is not None and rows > dp.ROWS_KERNEL_ROWS[1]
+            if cublas_fp8 and (n % 16 or k % 16):
                 continue  # cuBLAS's fp8 product needs sizes divisible by 16
-            exact = x.float() @ (weight.float() * (s[:, None] if s is not None else 1)).t()
-            got = torch.ops.smelter.decode_linear(x, weight, s).float()
-            error = float((got - exact).norm() / exact.norm())
-            print(f"rows {rows} n {n} k {k} {weight.dtype}: relative error {error:.2e}")
-            assert torch.isfinite(got).all() and error < limit
+            for mode in ("plain", "gated", "norm"):
+                inputs = x if mode == "gated" else x[:, :k] * 3
+                options = {"gated": mode == "gated", "norm": norm if mode == "norm" else None, "eps": 1e-5}
+                product_input = dp.product_input(inputs, **options).float()
+                exact = product_input @ (weight.float() * (s[:, None] if s is not None else 1)).t()
+                for r in (None, residual):
+                    truth = exact + r.float() if r is not None else exact
+                    torch.full((rows, n), float("nan"), device="cuda")  # poison what the allocator hands out next
+                    got = torch.ops.smelter.decode_linear(inputs, weight, s, residual=r, **options).float()
+                    error = float((got - truth).norm() / truth.norm())
+                    print(f"rows {rows} n {n} k {k} {weight.dtype} {mode} residual {r is not None}: "
+                          f"relative error {error:.2e}")
+                    assert torch.isfinite(got).all() and error < (0.06 if cublas_fp8 else 1e-2)
+
+
+@pytest.mark.parametrize("batch, max_len, pos", [(1, 528, 512), (3, 100, 0), (5, 70, 69), (64, 528, 300)])
+def test_decode_attention_computes_its_reference_on_fresh_inputs(batch: int, max_len: int, pos: int) -> None:
+    """smelter::decode_attention (rotary q, grouped query heads, positions split over programs at
+    small batch) against the unfused attention in fp32; positions past `pos` hold NaN, so reading
+    one shows."""
+    from tasks.backends import decode_products as dp
+
+    heads, kv_heads, d = 32, 8, 64
+    k = torch.randn(batch, kv_heads, max_len, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, kv_heads, max_len, d, device="cuda", dtype=torch.bfloat16)
+    k[:, :, pos + 1:] = float("nan")
+    v[:, :, pos + 1:] = float("nan")
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * d, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, :heads * d]  # a slice of the fused product's output, as the step passes it
+    angles = torch.rand(d // 2, device="cuda") * 6.28
+    cos = torch.cat([angles.cos(), angles.cos()]).to(torch.bfloat16)
+    sin = torch.cat([angles.sin(), angles.sin()]).to(torch.bfloat16)
+    where = torch.tensor(pos, device="cuda")
+    exact = dp.attention_reference(q.float(), cos.float(), sin.float(), k[:, :, :pos + 1].float(),
+                                   v[:, :, :pos + 1].float(), where)
+    got = torch.ops.smelter.decode_attention(q, cos, sin, k, v, where).float()
+    error = float((got - exact).norm() / exact.norm())
+    print(f"attention batch {batch} cache {max_len} pos {pos}: relative error {error:.2e}")
+    assert torch.isfinite(got).all() and error < 1e-2
 
 
 def test_an_fp8_engine_decodes_with_e4m3_weights(llama_dir: Path, tmp_path: Path) -> None:
     """Precision fp8: the decode step reads e4m3 weights (per-channel scales, the LM head too) and
-    follows the fp32 model token by token, at a batch the weight-streaming kernel runs and one cuBLAS does."""
+    follows the fp32 model token by token, at two batches the weight-streaming kernels run."""
     from transformers import AutoModelForCausalLM
 
     target = fp8_target(fp8_exclude=["layers.1.down"])

@@ -1,8 +1,8 @@
 """The Triton kernels of smelter's own ops, compiled at build and shipped in the engine directory.
 
 Inductor's compile cache (and a precompiled graph) holds the kernels Inductor generated, not those
-that smelter's ops launch themselves (decode_products: the weight-streaming product and the e4m3
-row quantiser). Triton compiles those on their first launch in each process whose Triton cache
+that smelter's ops launch themselves (decode_products.KERNELS: the decode step's products, norms,
+gate and attention). Triton compiles those on their first launch in each process whose Triton cache
 lacks them, about a second each, several per decode batch size. The build therefore packs the
 Triton cache entries of those kernels into `triton_kernels.zip`; a load unpacks the missing ones
 into this process's Triton cache, where Triton finds them as if it had compiled them. An entry is
@@ -20,8 +20,10 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from tasks.backends import decode_products
+
 FILE = "triton_kernels.zip"
-KERNELS = ("_gemv_kernel", "_quantize_rows_kernel")
+KERNELS = decode_products.KERNELS
 
 
 def triton_cache_dir() -> Path | None:

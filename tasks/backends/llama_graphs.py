@@ -25,9 +25,12 @@ fp8 (`fp8=True`, prefill only: its products are bound by arithmetic): products r
   for all tokens costs precision only for values 2^15 below the largest.
 Norms, attention, the embedding and the LM head stay bf16, and so do the products named in `kept`
 (llama_support.product_names). The decode step reads weights, so its products are bound by their
-bytes: they run through `smelter::decode_linear` (decode_products.py), with e4m3 weights and one
-scale per output channel where asked (`StaticDecoder(fp8_weights=True)`: weight-only at small batch,
-the activations staying bf16), which halves the bytes a step reads.
+bytes: they run through `smelter::decode_linear` (decode_products.py), which also takes in the
+norm before a product, the MLP's silu(gate) * up and the residual add after it (at batch 1 inside
+the product's kernel), with e4m3 weights and one scale per output channel where asked
+(`StaticDecoder(fp8_weights=True)`: weight-only at small batch, the activations staying bf16), which
+halves the bytes a step reads; its attention runs through `smelter::decode_attention`, one kernel
+that rotates q and reads each KV head's cache once.
 
 Rotary cos/sin come from one op per graph (`smelter::rope`), which Inductor cannot see into: it
 would otherwise inline the cheap-looking table into every layer's q and k kernels, evaluating cos
@@ -43,7 +46,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tasks.backends import decode_products  # noqa: F401  (registers smelter::decode_linear, which decode graphs call)
+# (importing decode_products also registers smelter::decode_linear and decode_attention, which decode graphs call)
+from tasks.backends import decode_products
+from tasks.backends.decode_products import rms_norm
 from tasks.backends.llama_support import PRODUCTS, fp8_unsupported, product_names, unsupported
 
 FP8 = torch.float8_e4m3fn
@@ -156,7 +161,7 @@ class _Body(nn.Module):
             for i, layer in enumerate(body.layers))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+        return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head)
 
 
 class LlamaPrefill(_Body):
@@ -228,7 +233,7 @@ def fp8_sensitivity(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torc
     batches = list(batches)
 
     def final_norm(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(graph.hidden(ids), graph.norm, graph.eps)[mask.bool()].float()
+        return rms_norm(graph.hidden(ids), graph.norm, graph.eps)[mask.bool()].float()
 
     errors: dict[str, float] = {}
     with torch.no_grad():
@@ -267,9 +272,15 @@ class _DecodeLinear(nn.Module):
             self.scale = None
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
 
-    def forward(self, x: torch.Tensor, unit_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, unit_rows: torch.Tensor | None = None, gated: bool = False,
+                norm: torch.Tensor | None = None, eps: float = 0.0,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The product of silu(gate) * up of x (`gated`: x is the gate_up product's output) or of
+        rms_norm(x, norm, eps), plus `residual`: computed inside the product's kernels where they can."""
         rows = x.reshape(-1, x.shape[-1])
-        y = torch.ops.smelter.decode_linear(rows, self.weight, self.scale)
+        if residual is not None:
+            residual = residual.reshape(-1, residual.shape[-1])
+        y = torch.ops.smelter.decode_linear(rows, self.weight, self.scale, gated, norm, eps, residual)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -281,9 +292,12 @@ DECODE_PRODUCTS = ("torch", "smelter")
 class StaticDecoder(_Body):
     """logits[B, V] of the token after `tokens` (shape [B, 1]) at position `pos`, writing its K and V into the cache.
 
-    `products`: "torch" runs the products as F.linear on the model's weights; "smelter" through
-    `smelter::decode_linear` (decode_products.py: a weight-streaming Triton kernel at small batch),
-    which `fp8_weights` requires: every layer product except those named in `kept` (and, with
+    `products`: "torch" runs the products as F.linear on the model's weights and the attention with
+    torch operations; "smelter" through smelter's decode ops (decode_products.py: weight-streaming
+    Triton kernels at decode batches, the norms, the MLP's silu(gate) * up and the residual adds
+    taken into the products, and one attention kernel that rotates q and reads each KV head's
+    cache once up to `pos`), which
+    `fp8_weights` requires: every layer product except those named in `kept` (and, with
     `fp8_head`, the LM head) then holds e4m3 weights with per-channel scales, half the bytes a step reads."""
 
     def __init__(self, model: nn.Module, products: str = "torch", fp8_weights: bool = False,
@@ -300,22 +314,21 @@ class StaticDecoder(_Body):
                     exact = getattr(layer, product)
                     fp8 = fp8_weights and f"layers.{i}.{product}" not in kept
                     setattr(layer, product, _DecodeLinear(exact.weight, exact.bias, fp8))
+                layer.decode_ops = True
             self.head = _DecodeLinear(self.lm_head, None, fp8_head)
             del self.lm_head  # the head's weights live in self.head (a tied embedding stays in self.embed)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.products == "torch":
             return super().logits(x)
-        return self.head(_rms_norm(x, self.norm, self.eps))
+        return self.head(x, norm=self.norm, eps=self.eps)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor]) -> torch.Tensor:
         x = F.embedding(tokens[:, 0], self.embed)
         cos, sin = self.rope(pos, x.dtype)
-        positions = torch.arange(k_caches[0].shape[2], device=tokens.device)
-        mask = torch.where(positions <= pos, 0.0, float("-inf")).to(torch.float32)
         for i, layer in enumerate(self.layers):
-            x = layer.step(x, cos, sin, pos, mask, k_caches[i], v_caches[i])
+            x = layer.step(x, cos, sin, pos, k_caches[i], v_caches[i])
         return self.logits(x)
 
 
@@ -325,6 +338,7 @@ class _Layer(nn.Module):
         """fp8_products: the products run in e4m3, each with its static input scale (None: per token)."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.decode_ops = False  # the decode step through smelter's ops (StaticDecoder products="smelter")
         attn, mlp = layer.self_attn, layer.mlp
         frozen = lambda t: nn.Parameter(t.detach(), requires_grad=False)  # noqa: E731
         self.ln1 = frozen(layer.input_layernorm.weight)
@@ -341,16 +355,16 @@ class _Layer(nn.Module):
         self.down = linear("down", mlp.down_proj.weight)
 
     def _mlp(self, x: torch.Tensor, unit_rows: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.gate_up(_rms_norm(x, self.ln2, self.eps), unit_rows).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up, unit_rows)
+        gate_up = self.gate_up(rms_norm(x, self.ln2, self.eps), unit_rows)
+        return x + self.down(decode_products.gate(gate_up), unit_rows)
 
     def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unit_rows: torch.Tensor) -> torch.Tensor:
         """x [B, S, hidden] -> the layer's output, causal attention over the whole prompt."""
         batch, seq = x.shape[:2]
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
-        q, k, v = self.qkv(_rms_norm(x, self.ln1, self.eps), unit_rows).split([h * d, kvh * d, kvh * d], dim=-1)
-        q = _rope(q.view(batch, seq, h, d).transpose(1, 2), cos, sin)
-        k = _rope(k.view(batch, seq, kvh, d).transpose(1, 2), cos, sin)
+        q, k, v = self.qkv(rms_norm(x, self.ln1, self.eps), unit_rows).split([h * d, kvh * d, kvh * d], dim=-1)
+        q = decode_products.rotate(q.view(batch, seq, h, d).transpose(1, 2), cos, sin)
+        k = decode_products.rotate(k.view(batch, seq, kvh, d).transpose(1, 2), cos, sin)
         v = v.view(batch, seq, kvh, d).transpose(1, 2)
         # Query heads that share a KV head read it in place (enable_gqa). On the H200 (8x512, Llama-3.2-1B
         # heads), cuDNN's and flash's causal kernels took 0.056 and 0.064 ms per layer this way, and
@@ -360,36 +374,24 @@ class _Layer(nn.Module):
         x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, h * d), unit_rows)
         return self._mlp(x, unit_rows)
 
-    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
              k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """x [B, hidden] of one new token at `pos` -> the layer's output; writes K and V at `pos`."""
         batch = x.shape[0]
         h, kvh, d = self.heads, self.kv_heads, self.head_dim
-        q, k, v = self.qkv(_rms_norm(x, self.ln1, self.eps)).split([h * d, kvh * d, kvh * d], dim=-1)
-        q = _rope(q.view(batch, h, d), cos, sin)
-        k = _rope(k.view(batch, kvh, d), cos, sin)
+        # smelter's ops take the norms, the MLP's pointwise step and the residual adds into the products
+        if self.decode_ops:
+            qkv = self.qkv(x, norm=self.ln1, eps=self.eps)
+        else:
+            qkv = self.qkv(rms_norm(x, self.ln1, self.eps))
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        k = decode_products.rotate(k.view(batch, kvh, d), cos, sin)
         k_cache.index_copy_(2, pos.view(1), k.view(batch, kvh, 1, d))
         v_cache.index_copy_(2, pos.view(1), v.view(batch, kvh, 1, d))
-        # The query heads that share a KV head form one small matrix, so each KV head's cache is read
-        # once by a batched product.
-        grouped = q.view(batch, kvh, h // kvh, d)
-        scores = torch.matmul(grouped, k_cache.transpose(-1, -2)).float() * (d ** -0.5) + mask
-        weights = torch.softmax(scores, dim=-1).to(x.dtype)
-        attended = torch.matmul(weights, v_cache).reshape(batch, h * d)
-        return self._mlp(x + self.o(attended))
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm: normalise in fp32, scale in the model's dtype."""
-    y = x.float()
-    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+        if not self.decode_ops:
+            return self._mlp(x + self.o(decode_products.attention_reference(q, cos, sin, k_cache, v_cache, pos)))
+        x = self.o(torch.ops.smelter.decode_attention(q, cos, sin, k_cache, v_cache, pos), residual=x)
+        return self.down(self.gate_up(x, norm=self.ln2, eps=self.eps), gated=True, residual=x)
 
 
 def empty_cache(model_config: Any, batch: int, max_len: int, dtype: torch.dtype,
