@@ -10,7 +10,7 @@ penalty for the slot that runs right after the other engine (order effect), heav
 Two figures per scenario: coverage at a fixed number of rounds n (from MIN_ROUNDS, the fewest rounds
 with a 95% interval, up to 60), and coverage where the sequential rule really stops (the first n
 from min_rounds at which the interval is within ±precision, else the last, through tasks/measure.py's
-own Rounds, which keep the largest widening for alike rounds seen at any look). The bar: ≥ 93%.
+own Rounds, which widen at least as much as any look over the last half of the rounds). The bar: ≥ 93%.
 
     .venv/bin/python benchmarks/interval_coverage.py            # ~1 min
     .venv/bin/python benchmarks/interval_coverage.py --trials 4000
@@ -85,7 +85,7 @@ def simulate(rng: np.random.Generator, scenario: Scenario, rounds: int) -> tuple
 
 def stop(a: np.ndarray, b: np.ndarray, min_rounds: int, precision: float) -> tuple[int, Ratio]:
     """Where tasks/measure.py's rule stops on these rounds, and the ratio it reports there: a look after every
-    round from the floor on (Rounds.look keeps the largest widening seen), the first conclusive one stops."""
+    round from the floor on (Rounds.look records each look's widening), the first conclusive one stops."""
     rounds = Rounds(["a", "b"], {"a": 1, "b": 1}, {"a": [], "b": []}, pairs=[("a", "b")])
     for n in range(1, a.size + 1):
         rounds.samples_ms["a"].append([float(a[n - 1])])

@@ -2,16 +2,20 @@
 
 Three engine pairs of a small BERT made here (random weights, 4 layers x 256 wide), as ONNX Runtime
 sessions: fp32 vs dynamic int8, fp32 vs fp32 with graph optimisations off, int8 vs fp32 at batch 1.
-Each repeat times a pair twice, one method after the other:
-- the stage's way: tasks/measure.py rounds (slot order, untimed round, rounds spanning at least
+Each repeat times a pair both ways over the same seconds:
+- the stage's way: tasks/measure.py rounds (slot order, untimed round and calls, rounds spanning at least
   `--min-seconds`, early stop at ±precision) and the tasks/stats.py ratio with its 95% interval;
 - independently: a plain timeit loop of its own (blocks of ~25 ms of calls after two untimed ones, the
   engines' blocks alternating ABBA; per block the median call, or with `--statistic mean` the mean one),
   the median of the block-pair ratios with a moving-block bootstrap 95% interval over the pairs.
+The timer's block pairs run between the stage's rounds, so both methods see the same moments of the
+machine. With `--sequential` they run one after the other: on a shared VM the ratio itself moves by more
+than either interval between the two (int8 vs fp32 at batch 1 wandered 0.39-0.55 over half an hour), and
+agreement then measures the machine, not the methods.
 It prints, per repeat, both ratios and whether each point estimate lies inside the other's interval.
 
-    .venv/bin/python benchmarks/interval_vs_timer.py              # about 3 minutes
-    .venv/bin/python benchmarks/interval_vs_timer.py --repeats 10 --threads 1 --min-seconds 3 --seconds 6
+    .venv/bin/python benchmarks/interval_vs_timer.py              # about 4 minutes
+    .venv/bin/python benchmarks/interval_vs_timer.py --repeats 10 --min-seconds 3 --seconds 6
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from tasks.measure import Contender, measure_rounds
+from tasks import measure
 from tasks.spec import BenchmarkSpec
-from tasks.stats import paired_ratio
+from tasks.stats import Ratio
 
 BLOCK_MS = 25.0  # the independent timer's block, like a slot
 
@@ -83,35 +88,34 @@ def moving_blocks(n: int, rng: np.random.Generator, resamples: int = 2000) -> np
     return (starts[..., None] + np.arange(length)).reshape(resamples, -1)[:, :n]
 
 
-def independent(calls: dict[str, object], seconds: float, rng: np.random.Generator,
-                block_ms: float = BLOCK_MS, statistic: str = "median") -> tuple[float, float, float]:
+class BlockTimer:
     """A plain timeit loop, not the stage's code: blocks of calls, the two engines' blocks alternating (ABBA, so
-    neither always runs first), each block pair one ratio; the median of the pairs' ratios (first / second) with a
-    percentile-bootstrap 95% interval over the pairs, resampled in runs of consecutive pairs (a moving-block
+    neither always runs first), each block pair one ratio (first / second); the median of the pairs' ratios with
+    a percentile-bootstrap 95% interval over the pairs, resampled in runs of consecutive pairs (a moving-block
     bootstrap): the machine's state drifts over seconds, so neighbouring pairs are alike, and resampling pairs
     one by one would give an interval too narrow to hold the next few seconds' ratio.
 
-    (It used to time each engine alone for half the time, engine after engine: on a shared machine the load
-    changed between the halves, and the bootstrap of each half's blocks, blind to that, gave a far too narrow
-    interval around a ratio biased by whatever ran meanwhile: 0.925x [0.903, 1.02] against the stage's 1.06x.)
+    Each block's value comes after two untimed calls (the first calls after the other engine ran pay for caches
+    it evicted, a cost an engine serving alone never pays): the mean call time (what throughput reads) or the
+    median one (what the stage reads of a slot, robust to a descheduled call).
     """
-    names = list(calls)
-    number = {}
-    for name, call in calls.items():
-        for _ in range(3):
-            call()
-        start = time.perf_counter()
-        call()
-        number[name] = max(1, int(block_ms / max((time.perf_counter() - start) * 1e3, 1e-3)))
 
-    def block(name: str) -> float:
-        """One block's value, after two untimed calls (the first calls after the other engine ran pay for caches it
-        evicted, a cost an engine serving alone never pays): the mean call time (what throughput reads) or the
-        median one (what the stage reads of a slot, robust to a descheduled call)."""
-        call, count = calls[name], number[name]
+    def __init__(self, calls: dict[str, Callable[[], object]], block_ms: float = BLOCK_MS, statistic: str = "median"):
+        self.calls, self.statistic, self.names = calls, statistic, list(calls)
+        self.number: dict[str, int] = {}
+        for name, call in calls.items():
+            for _ in range(3):
+                call()
+            start = time.perf_counter()
+            call()
+            self.number[name] = max(1, int(block_ms / max((time.perf_counter() - start) * 1e3, 1e-3)))
+        self.ratios: list[float] = []
+
+    def _block(self, name: str) -> float:
+        call, count = self.calls[name], self.number[name]
         call()
         call()
-        if statistic == "mean":
+        if self.statistic == "mean":
             start = time.perf_counter()
             for _ in range(count):
                 call()
@@ -123,15 +127,41 @@ def independent(calls: dict[str, object], seconds: float, rng: np.random.Generat
             times.append(time.perf_counter() - start)
         return float(np.median(times)) * 1e3
 
-    ratios, until = [], time.perf_counter() + seconds
-    while time.perf_counter() < until or len(ratios) < 8:
-        order = names if len(ratios) % 2 == 0 else names[::-1]
-        got = {name: block(name) for name in order}
-        ratios.append(got[names[0]] / got[names[1]])
-    logs = np.log(np.array(ratios))
-    boots = np.median(logs[moving_blocks(logs.size, rng)], axis=1)
-    return (float(np.exp(np.median(logs))), float(np.exp(np.percentile(boots, 2.5))),
-            float(np.exp(np.percentile(boots, 97.5))))
+    def pair(self) -> None:
+        order = self.names if len(self.ratios) % 2 == 0 else self.names[::-1]
+        got = {name: self._block(name) for name in order}
+        self.ratios.append(got[self.names[0]] / got[self.names[1]])
+
+    def run_for(self, seconds: float) -> None:
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until or len(self.ratios) < 8:
+            self.pair()
+
+    def ratio(self, rng: np.random.Generator) -> tuple[float, float, float]:
+        logs = np.log(np.array(self.ratios))
+        boots = np.median(logs[moving_blocks(logs.size, rng)], axis=1)
+        return (float(np.exp(np.median(logs))), float(np.exp(np.percentile(boots, 2.5))),
+                float(np.exp(np.percentile(boots, 97.5))))
+
+
+def both_ways(calls: dict[str, Callable[[], object]], args: argparse.Namespace) -> tuple[Ratio, BlockTimer]:
+    """The stage's rounds and the independent timer's blocks over the same seconds (interleaved: `--pairs-per-round`
+    block pairs after each of the stage's rounds, through tasks.measure.round_observer), or one after the other
+    (`--sequential`). Interleaved, the rounds' span and budget are doubled: each method gets about the time it
+    would have alone."""
+    timer = BlockTimer(calls, args.block_ms, args.statistic)
+    scale = 1 if args.sequential else 2
+    if not args.sequential:
+        measure.round_observer = lambda rounds, precision: [timer.pair() for _ in range(args.pairs_per_round)]
+    try:
+        rounds = measure.measure_rounds([measure.Contender(k, call_timer(c)) for k, c in calls.items()], [("a", "b")],
+                                        warmup=5, min_rounds=args.min_rounds, max_seconds=scale * args.seconds,
+                                        precision=args.precision, min_seconds=scale * args.min_seconds)
+    finally:
+        measure.round_observer = None
+    if args.sequential:
+        timer.run_for(args.seconds)
+    return rounds.ratio("a", "b"), timer
 
 
 def main() -> None:
@@ -147,6 +177,10 @@ def main() -> None:
     parser.add_argument("--statistic", choices=("median", "mean"), default="median",
                         help="the independent timer's value per block: median call (the stage's estimand) or mean call")
     parser.add_argument("--block-ms", type=float, default=BLOCK_MS, help="the independent timer's block length")
+    parser.add_argument("--pairs-per-round", type=int, default=2,
+                        help="interleaved: the independent timer's block pairs after each of the stage's rounds")
+    parser.add_argument("--sequential", action="store_true",
+                        help="the two methods one after the other (each sees its own seconds of the machine)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         models = make_models(Path(tmp))
@@ -158,16 +192,14 @@ def main() -> None:
         rng = np.random.default_rng(0)
         agree = {name: 0 for name in pairs}
         print(f"threads {args.threads}, budget {args.seconds:g}s per pair and method, precision ±{args.precision:.0%}, "
-              f"independent blocks of {args.block_ms:g} ms, {args.statistic} call per block")
+              f"independent blocks of {args.block_ms:g} ms, {args.statistic} call per block, "
+              + ("one method after the other" if args.sequential else f"{args.pairs_per_round} block pairs after each round"))
         for name, (first, second) in pairs.items():
             calls = {"a": session_call(first[0], args.threads, *first[1:]),
                      "b": session_call(second[0], args.threads, *second[1:])}
             for repeat in range(args.repeats):
-                rounds = measure_rounds([Contender(k, call_timer(c)) for k, c in calls.items()], [("a", "b")],
-                                        warmup=5, min_rounds=args.min_rounds, max_seconds=args.seconds, precision=args.precision,
-                                        min_seconds=args.min_seconds)
-                staged = rounds.ratio("a", "b")
-                ratio, low, high = independent(calls, args.seconds, rng, args.block_ms, args.statistic)
+                staged, timer = both_ways(calls, args)
+                ratio, low, high = timer.ratio(rng)
                 inside = staged.low <= ratio <= staged.high and low <= staged.ratio <= high
                 agree[name] += inside
                 print(f"{name:<38} #{repeat + 1}: stage {staged.text()} ({staged.rounds} rounds)  "

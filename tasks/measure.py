@@ -5,8 +5,10 @@ run is repeatable) and reversed in the round after (ABBA): every engine runs bef
 other one equally often, so an engine that leaves the machine warm or busy for whoever follows
 (spinning thread pools, caches, clocks) biases no ratio. A plain rotation (ABC, BCA, CAB) would not
 do: B always follows A. A slot is a few calls (enough to last SLOT_MS; its median is the round's
-value), so a sub-millisecond engine is not timed on one noisy call. One untimed round runs first
-(each engine's first slot after the others ran is its slowest). Rounds continue until every requested ratio's 95% interval is within
+value), so a sub-millisecond engine is not timed on one noisy call; its first calls are untimed (the
+first calls after another engine ran refill the caches it evicted, a cost an engine serving alone
+never pays, and in a slot of five calls one slow call moves the median). One untimed round runs
+first (each engine's first slot after the others ran is its slowest). Rounds continue until every requested ratio's 95% interval is within
 ±precision (conclusive, checked from `min_rounds` on, so a lucky few rounds cannot end it), or
 `max_seconds` is spent (inconclusive). The budget never stops the rounds before `min_rounds` and
 MIN_ROUNDS (fewer rounds give no 95% interval): the rounds go on and `extended` says so. Every raw
@@ -22,10 +24,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from tasks.stats import MIN_ROUNDS, Ratio, paired_ratio
+import numpy as np
+
+from tasks.stats import MIN_ROUNDS, Ratio, paired_ratio, recent_widest, serial_inflation
 
 SLOT_MS = 25.0
 MAX_CALLS_PER_SLOT = 64
+# Untimed calls that open every slot, at most a quarter of its timed calls (a slot of a few long calls cannot
+# afford them). With them, fp32 vs int8 at batch 8 (5-9 calls a slot) agreed with a timer that warms each
+# block in 11 of 12 repeats, 7 of 12 without (benchmarks/interval_vs_timer.py, the timer interleaved).
+SLOT_WARM_CALLS = 2
 MAX_ROUNDS = 2000
 ORDER_SEED = 20261204  # the slot order of every round: drawn, but the same each run
 # A pause before every slot: the thread pool of the engine that just ran spins for a while after its last
@@ -53,8 +61,8 @@ class Rounds:
     seconds: float = 0.0
     pairs: list[tuple[str, str]] = field(default_factory=list)
     extended: str | None = None  # the budget ran out before the minimum rounds: by how much it was exceeded
-    # Per pair (either way round), the largest widening for alike consecutive rounds seen at any look so far
-    widest: dict[frozenset[str], float] = field(default_factory=dict)
+    # Per pair (either way round), the widening for alike consecutive rounds each look estimated, by its rounds
+    looks: dict[frozenset[str], dict[int, float]] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
@@ -69,20 +77,24 @@ class Rounds:
 
     def ratio(self, baseline: str, contender: str) -> Ratio:
         """How many times faster `contender` is than `baseline`, from the paired rounds, its interval widened
-        at least as much as at any earlier look."""
+        at least as much as any look over the last half of the rounds estimated."""
         return paired_ratio(self.slot_ms(baseline), self.slot_ms(contender),
-                            widen_at_least=self.widest.get(frozenset((baseline, contender)), 1.0))
+                            widen_at_least=recent_widest(self.looks.get(frozenset((baseline, contender)), {}),
+                                                         self.count))
 
     def look(self, precision: float) -> bool:
-        """Record each pair's widening at these rounds; whether every pair is now conclusive. The widening is estimated from the same few rounds as
-        the ratio, and is lowest just when those rounds happen to be alike; were the rounds allowed to stop at
-        such a dip, a ratio of correlated rounds would be covered 92-93% of the time instead of 94%
-        (benchmarks/interval_coverage.py). Keeping the largest seen costs rounds only where rounds are alike."""
+        """Record each pair's widening at these rounds; whether every pair is now conclusive. The widening is
+        estimated from the same few rounds as the ratio, and is lowest just when those rounds happen to be alike;
+        were the rounds allowed to stop at such a dip, a ratio of correlated rounds would be covered 92-93% of the
+        time instead of 94% (benchmarks/interval_coverage.py). So the interval is widened at least as much as any
+        look over the last half of the rounds estimated: not over all of them, since the first looks, on ten-odd
+        rounds, can estimate up to 8x, which then held minilm's int8 vs fp32 at 1.04x [0.64, 1.85] on a quiet
+        machine, whatever the later rounds said."""
         conclusive = True
         for base, other in self.pairs:
-            ratio = self.ratio(base, other)
-            self.widest[frozenset((base, other))] = ratio.widening
-            conclusive = conclusive and ratio.conclusive(precision)
+            own = serial_inflation(np.log(self.slot_ms(base)) - np.log(self.slot_ms(other)))
+            self.looks.setdefault(frozenset((base, other)), {})[self.count] = own
+            conclusive = conclusive and self.ratio(base, other).conclusive(precision)
         return conclusive
 
     def conclusive(self, precision: float) -> bool:
@@ -97,6 +109,12 @@ round_observer: Callable[[Rounds, float], None] | None = None
 def _calls_per_slot(timer: Timer) -> int:
     one = max(statistics.median(timer(3)), 1e-3)
     return max(1, min(MAX_CALLS_PER_SLOT, math.ceil(SLOT_MS / one)))
+
+
+def _slot(timer: Timer, calls: int) -> list[float]:
+    """One slot's timed calls, after its untimed opening ones."""
+    warm = min(SLOT_WARM_CALLS, calls // 4)
+    return timer(warm + calls)[warm:]
 
 
 def slot_orders(names: list[str], seed: int = ORDER_SEED) -> Iterator[list[str]]:
@@ -142,7 +160,7 @@ def measure_rounds(contenders: list[Contender], pairs: list[tuple[str, str]], *,
     for index in range(MAX_ROUNDS):
         for name in next(orders):
             time.sleep(SETTLE_S)
-            rounds.samples_ms[name].append(by_name[name].timer(calls[name]))
+            rounds.samples_ms[name].append(_slot(by_name[name].timer, calls[name]))
         rounds.seconds = time.monotonic() - started
         if round_observer is not None:
             round_observer(rounds, precision)

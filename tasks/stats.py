@@ -120,14 +120,18 @@ def paired_ratio(slower: Sequence[float], faster: Sequence[float], confidence: f
                  high=math.exp(centre + widen * (walsh[-k] - centre)), rounds=n, widening=widen)
 
 
+def recent_widest(looks: dict[int, float], rounds: int) -> float:
+    """The largest widening estimated by the looks (rounds -> widening) over the last half of `rounds`."""
+    return max((widening for seen, widening in looks.items() if 2 * seen >= rounds), default=1.0)
+
+
 def looked_ratio(slower: Sequence[float], faster: Sequence[float], first_look: int) -> Ratio:
     """The ratio as rounds that looked after every round from `first_look` on report it (tasks/measure.py): its
-    widening at least the largest seen at any look. A function of the samples alone, for a reader who recomputes
-    a published interval from the samples table."""
-    widest = 1.0
-    for m in range(max(first_look, 1), len(slower)):
-        widest = paired_ratio(slower[:m], faster[:m], widen_at_least=widest).widening
-    return paired_ratio(slower, faster, widen_at_least=widest)
+    widening at least the largest estimated at a look over the last half of the rounds. A function of the samples
+    alone, for a reader who recomputes a published interval from the samples table."""
+    d = np.log(np.asarray(slower, dtype=np.float64)) - np.log(np.asarray(faster, dtype=np.float64))
+    looks = {m: serial_inflation(d[:m]) for m in range(max(first_look, 1), len(d))}
+    return paired_ratio(slower, faster, widen_at_least=recent_widest(looks, len(d)))
 
 
 # Small-sample corrections of serial_inflation (seeded simulation, benchmarks/interval_coverage.py): with the
