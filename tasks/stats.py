@@ -141,6 +141,10 @@ def looked_ratio(slower: Sequence[float], faster: Sequence[float], first_look: i
 SERIAL_DECAY_FLOOR = 0.5  # a lag-2 estimate is mostly noise at small n; once lag 1 is seen, assume it persists
 SERIAL_LAG1_MARGIN = 0.3  # lag 1 raised by this / sqrt(n) (about its standard error's third) once it is seen
 SERIAL_DF_POWER = 2  # t-like widening with n / factor^(2 * this) degrees of freedom: the factor is itself estimated
+# ... on at least this many effective rounds: with 2.5 a factor of 3 on a few dozen rounds widened ~8x (int8 vs fp32
+# at batch 1 read [0.03, 0.71] on a quiet machine); with 4, at most ~4.8x, and correlated rounds still cover
+# 93.8% where they stop (benchmarks/interval_coverage.py --trials 2000; 93.4% with 6)
+SERIAL_MIN_EFFECTIVE = 4.0
 
 
 def _t_quantile(df: float, p: float = 0.975) -> float:
@@ -179,7 +183,7 @@ def serial_inflation(d: np.ndarray) -> float:
     lag1 += SERIAL_LAG1_MARGIN / math.sqrt(n)
     decay = min(max(lag2 / lag1, SERIAL_DECAY_FLOOR), MAX_SERIAL_DECAY)
     factor = math.sqrt(min(max(1 + 2 * min(lag1, MAX_SERIAL_DECAY) / (1 - decay), 1.0), 9.0))
-    effective = max(n / factor ** (2 * SERIAL_DF_POWER), 2.5)
+    effective = max(n / factor ** (2 * SERIAL_DF_POWER), SERIAL_MIN_EFFECTIVE)
     return factor * _t_quantile(effective - 1) / _t_quantile(n - 1)
 
 
