@@ -202,6 +202,13 @@ def test_a_contended_measurement_never_replaces_a_published_one(
     spec, store = encoder_judging_load
     builds = {"tiny/fp32/cpu": engines(spec, store)["cpu"]}
     published = run_benchmark(spec, "cpu", builds, store)
+    for _ in range(2):  # the machine was busy before this test's own load (other workers' spinners): measure again
+        if not published.outputs["host"]["contended"]:
+            break
+        published = run_benchmark(spec, "cpu", builds, store, force=True)
+    if published.outputs["host"]["contended"]:
+        pytest.skip("the machine stayed busy before this test's own load "
+                    f"({published.outputs['host']['foreign_cpu_share']:.0%} of the CPU): no quiet measurement to keep")
     before = published.file(SAMPLES).read_bytes()
     request.getfixturevalue("busy_machine")
     again = run_benchmark(spec, "cpu", builds, store, force=True)
