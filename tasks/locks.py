@@ -45,6 +45,7 @@ LEASE_S = 60  # the least Prefect accepts: a holder killed on another host block
 SAY_AFTER_S = 10
 BLOCKED_AFTER_S = 60
 POLL_S = 1.0
+BUSY_RETRIES, BUSY_RETRY_FIRST_S, BUSY_RETRY_MAX_S = 8, 0.02, 0.5  # a 503 of a busy SQLite database: ~1.5 s in all
 RECORDS_DIR = "smelter-slots"
 
 log = logging.getLogger("smelter.locks")
@@ -240,12 +241,33 @@ def _try_take(client: Any, name: str) -> UUID | None:
     import httpx
 
     try:
-        response = client.increment_concurrency_slots_with_lease([name], 1, "concurrency", LEASE_S)
+        response = _soon_retried(client.increment_concurrency_slots_with_lease, [name], 1, "concurrency", LEASE_S)
     except httpx.HTTPStatusError as e:
         if e.response.status_code != 423:
             raise
         return None
     return UUID(response.json()["lease_id"])
+
+
+def _soon_retried(call: Callable[..., Any], *args: Any) -> Any:
+    """`call(*args)`, tried again within milliseconds while the server answers 503. A Prefect server on SQLite
+    answers 503 when another request holds the database's write lock (its flow and task states, logs and
+    events are written meanwhile); Prefect's client would wait 2 s and more before trying again, and
+    this happened on most slots a run took."""
+    import httpx
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    delay = BUSY_RETRY_FIRST_S
+    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
+        for _ in range(BUSY_RETRIES):
+            try:
+                return call(*args)
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code != 503:
+                    raise
+            time.sleep(delay)
+            delay = min(2 * delay, BUSY_RETRY_MAX_S)
+    return call(*args)  # with Prefect's own retries once more
 
 
 @dataclass(frozen=True)
@@ -345,7 +367,7 @@ def _release(client: Any, lease_id: UUID, record_path: Path) -> None:
     next finds this process gone and takes the slot over."""
     with file_lock(record_path.with_suffix(".lock")):
         try:
-            client.release_concurrency_slots_with_lease(lease_id)
+            _soon_retried(client.release_concurrency_slots_with_lease, lease_id)
         except Exception as e:  # noqa: BLE001 - the body's own outcome matters more than the release's
             log.warning("could not give back a Prefect slot (%s: %s); the next waiter takes it over",
                         type(e).__name__, e)

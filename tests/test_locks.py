@@ -150,3 +150,35 @@ def test_no_lock_leaves_records_behind(api: str, tmp_path: Path) -> None:
     with locks.held_slot(name, "test slot"):
         assert list((tmp_path / "locks").rglob(f"{name}.json"))
     assert not list((tmp_path / "locks").rglob(f"{name}.json"))
+
+
+def test_a_busy_database_answer_is_tried_again_within_milliseconds_and_other_errors_are_not() -> None:
+    """A Prefect server on SQLite answers 503 while another request holds the write lock; Prefect's client would
+    sleep 2 s or more before its retry, on most slots a run takes. `_soon_retried` asks again at once, with the
+    client's own retries off, and lets any other answer through."""
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES
+
+    def answer(code: int) -> httpx.HTTPStatusError:
+        request = httpx.Request("POST", "http://127.0.0.1/api/v2/concurrency_limits/increment-with-lease")
+        return httpx.HTTPStatusError(str(code), request=request, response=httpx.Response(code, request=request))
+
+    calls: list[int] = []
+
+    def busy_twice(value: str) -> str:
+        calls.append(PREFECT_CLIENT_MAX_RETRIES.value())
+        if len(calls) <= 2:
+            raise answer(503)
+        return value
+
+    started = time.monotonic()
+    assert locks._soon_retried(busy_twice, "lease") == "lease"
+    assert time.monotonic() - started < 1.0 and calls == [0, 0, 0], calls
+
+    def locked(value: str) -> str:
+        calls.append(1)
+        raise answer(423)
+
+    calls.clear()
+    with pytest.raises(httpx.HTTPStatusError) as raised:
+        locks._soon_retried(locked, "lease")
+    assert raised.value.response.status_code == 423 and calls == [1]
