@@ -507,6 +507,7 @@ def decode_step_section(args: argparse.Namespace, work: Path, ceilings: dict[str
     product alone (`decode_products`)."""
     import copy
 
+    from tasks.backends import decode_products as dp
     from tasks.backends.inductor import DecodeSession, _compile_options, export_decode
 
     past, max_len = 512, 528
@@ -514,10 +515,11 @@ def decode_step_section(args: argparse.Namespace, work: Path, ceilings: dict[str
     shape = gm.DecoderShape.from_config(cfg)
     target = InductorTarget(name="sm90", backend="inductor", device="cuda", arch=detect_gpu().arch)
     section: dict[str, Any] = {"past": past, "cache_len": max_len, "training": training,
+                               "programmatic_dependent_launch": dp.PDL, "gemv_e4m3_words": dp.GEMV_WORDS,
                                "bf16_bounds_ms": {f"decode_b{b}": round(gm.bytes_bound_ms(
                                    shape.decode_bytes(b, past, 2), ceilings["copy"]["tb_per_s"]), 4) for b in (1, 64)}}
     section["decode_attention"] = decode_attention_kernels(shape, ceilings, past, max_len, args.repeats)
-    if args.tune_gemv:  # each product alone first; the step variants then run the fastest kernels and block shapes
+    if args.tune_gemv and args.decode_products:  # each product alone first; the step variants then run the fastest ones
         section["decode_products"] = decode_product_kernels(shape, ceilings, args.repeats)
         section["decode_configs"] = apply_decode_configs(best_decode_configs(section["decode_products"]))
         report.add("decode_step", section)
@@ -581,16 +583,33 @@ def decode_step_section(args: argparse.Namespace, work: Path, ceilings: dict[str
         torch.cuda.empty_cache()
     del model
     torch.cuda.empty_cache()
-    if not args.tune_gemv:
+    if not args.tune_gemv and args.decode_products:
         section["decode_products"] = decode_product_kernels(shape, ceilings, args.repeats)
     report.add("decode_step", section)
 
 
 GEMV_CANDIDATES = ((4, 512, 4), (8, 512, 4), (8, 1024, 8), (32, 256, 4), (16, 1024, 8), (8, 2048, 8), (4, 2048, 4),
-                   (2, 4096, 4), (4, 4096, 8), (2, 8192, 8))
+                   (2, 4096, 4), (4, 4096, 8), (2, 8192, 8), (4, 1024, 4), (16, 512, 8), (2, 2048, 4), (8, 256, 4))
 ATTENTION_CANDIDATES = ((32, 3, 4), (64, 2, 4), (64, 3, 4), (64, 4, 4), (64, 3, 8), (128, 3, 8))
 ROWS_CANDIDATES = {1: ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4)),
-                   64: ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3))}
+                   64: ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3), (32, 128, 4, 4),
+                        (64, 256, 8, 3))}
+
+
+def with_settings(fn: Any, **settings: Any) -> Any:
+    """fn with decode_products' module settings (PDL, GEMV_WORDS, ...) changed while it launches."""
+    from tasks.backends import decode_products as dp
+
+    def call(i: int) -> torch.Tensor:
+        saved = {name: getattr(dp, name) for name in settings}
+        for name, value in settings.items():
+            setattr(dp, name, value)
+        try:
+            return fn(i)
+        finally:
+            for name, value in saved.items():
+                setattr(dp, name, value)
+    return call
 
 
 def graph_call_us(fn: Any, copies: int, repeats: int) -> dict[str, float]:
@@ -716,12 +735,21 @@ def decode_product_kernels(shape: gm.DecoderShape, ceilings: dict[str, Any], rep
                 y = dp.fp8_rows_product(prepare(), fp8s[i], scale)
                 return y.add_(res) if res is not None else y
 
+            def rows_way(weights: list[torch.Tensor], s: torch.Tensor | None, c: tuple[int, ...]) -> Any:
+                """The tensor-core kernel as decode_linear runs it, after the norm or gate kernel."""
+                return lambda i: dp.rows_product(prepare(), weights[i], s, res, config=c)
+
             ways: dict[str, Any] = {
                 "cublas_unfused_bf16": (lambda i: torch.nn.functional.linear(prepared, bf16s[i])
                                         + (res if res is not None else 0), 2, exact),
                 "smelter_bf16": (lambda i: torch.ops.smelter.decode_linear(x, bf16s[i], None, **kw), 2, exact),
                 "smelter_fp8": (lambda i: torch.ops.smelter.decode_linear(x, fp8s[i], scale, **kw), 1, exact_fp8)}
+            if dp.PDL:  # the same without programmatic dependent launch
+                ways["smelter_bf16_no_pdl"] = (with_settings(ways["smelter_bf16"][0], PDL=False), 2, exact)
+                ways["smelter_fp8_no_pdl"] = (with_settings(ways["smelter_fp8"][0], PDL=False), 1, exact_fp8)
             if rows == 1:
+                # e4m3 widened by the conversion instructions, not as words
+                ways["smelter_fp8_no_words"] = (with_settings(ways["smelter_fp8"][0], GEMV_WORDS=False), 1, exact_fp8)
                 for c in (c for c in GEMV_CANDIDATES if c[1] <= k):
                     tag = "{}x{}w{}".format(*c)
                     ways[f"gemv_fp8_{tag}"] = (lambda i, c=c: dp.gemv(x, fp8s[i], scale, **kw, config=c), 1, exact_fp8)
@@ -731,10 +759,8 @@ def decode_product_kernels(shape: gm.DecoderShape, ceilings: dict[str, Any], rep
                 ways["fp8_rows_cublas_fp8"] = (cublas_fp8, 1, exact_fp8)
             for c in ROWS_CANDIDATES[rows]:
                 tag = "{}x{}w{}s{}".format(*c)
-                ways[f"rows_fp8_{tag}"] = (lambda i, c=c: dp.rows_product(prepare(), fp8s[i], scale, res, config=c),
-                                           1, exact_fp8)
-                ways[f"rows_bf16_{tag}"] = (lambda i, c=c: dp.rows_product(prepare(), bf16s[i], None, res, config=c),
-                                            2, exact)
+                ways[f"rows_fp8_{tag}"] = (rows_way(fp8s, scale, c), 1, exact_fp8)
+                ways[f"rows_bf16_{tag}"] = (rows_way(bf16s, None, c), 2, exact)
             for way, (fn, itemsize, truth) in ways.items():
                 try:
                     error = float((fn(0).float() - truth).norm() / truth.norm())
@@ -777,6 +803,8 @@ def decode_attention_kernels(shape: gm.DecoderShape, ceilings: dict[str, Any], p
         ways = {"smelter_s{}x{}w{}".format(*c): (lambda i, c=c: dp.attention(q, cos, sin, *caches[i], pos, config=c))
                 for c in ATTENTION_CANDIDATES}
         ways["torch"] = lambda i: dp.attention_reference(q, cos, sin, *caches[i], pos)
+        for c in ((64, 2, 4), (32, 3, 4)):  # the same without programmatic dependent launch
+            ways["other_s{}x{}w{}_no_pdl".format(*c)] = with_settings(ways["smelter_s{}x{}w{}".format(*c)], PDL=False)
         for way, fn in ways.items():
             error = float((fn(0).float() - truth).norm() / truth.norm())
             timing = graph_call_us(fn, len(caches), max(repeats, 20))
@@ -1062,6 +1090,9 @@ def main() -> None:
     parser.add_argument("--tune-gemv", action=argparse.BooleanOptionalAction, default=True,
                         help="section decode_step: measure each product alone first and run the step variants with "
                              "the fastest weight-streaming block shapes")
+    parser.add_argument("--decode-products", action=argparse.BooleanOptionalAction, default=True,
+                        help="section decode_step: time each product alone (with --no-decode-products, only the step "
+                             "variants run, with the committed block shapes)")
     parser.add_argument("--decode-variants", default="torch:bf16,smelter:bf16,smelter:fp8,smelter:fp8-head",
                         help="section decode_step: products:weights, comma-separated (products torch or smelter; "
                              "weights bf16, fp8 (layers in e4m3) or fp8-head (the LM head too))")

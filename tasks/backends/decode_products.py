@@ -28,11 +28,21 @@ one KV head's cache once for the query heads that share it (flash-decoding: an o
 blocks of positions up to `pos`, never past it); at small batch the positions are split over several
 programs, so that enough of them stream, and a second kernel combines their partial softmaxes.
 
+On Hopper and later every one of these kernels is launched with programmatic dependent launch
+(`PDL`): it starts while the kernel before it drains, and the weight-streaming kernels request
+their first block of weights (which nothing in a step writes) before they wait for that kernel
+(`gdc_wait`), so a replayed step loses little to launch gaps and ramps between its ~130 small
+kernels. At one row, e4m3 weights are widened to fp32 with integer operations on 32-bit words of
+four weights (`GEMV_WORDS`), not by the conversion instructions: 0-13% faster per product on the
+H200, and still bound by that widening, not by bytes (about 1.5 TB/s of e4m3 for the LM head).
+
 The ops are opaque to Inductor (extern calls inside the compiled step), and their kernels are
 captured by CUDA-graph replay like any other.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch.nn import functional as F
@@ -43,21 +53,63 @@ FP8_MAX = 448.0
 # and up to which the tensor-core one does; above, cuBLAS.
 GEMV_ROWS = {2: 1, 1: 1}
 ROWS_KERNEL_ROWS = {2: 64, 1: 16}
+# e4m3 weights through the weight-streaming CUDA-core kernel as 32-bit words widened by integer
+# operations (_gemv_kernel's W_WORDS), not through the conversion unit
+GEMV_WORDS = True
 ATTENTION_PROGRAMS = 256  # at least this many programs stream the KV cache (positions split to get there)
 # (positions per step of the attention kernel's loop, num_stages, num_warps), as the H200 measured
 # fastest: "split" where the positions are split over programs (few sequences), "whole" where each
 # program reads a KV head's whole cache.
-ATTENTION_CONFIGS = {"split": (64, 2, 4), "whole": (64, 3, 4)}
-# Every Triton kernel below, by name: the build packs their compiled entries into the engine
+ATTENTION_CONFIGS = {"split": (64, 2, 4), "whole": (32, 3, 4)}
+# Every Triton kernel below (and the jitted body `_gemv_words` that one of them inlines), by name:
+# the build packs their compiled entries into the engine
 # (tasks/backends/kernel_bundle.py), so a fresh process does not compile them on first launch.
-KERNELS = ("_gemv_kernel", "_rows_kernel", "_gate_kernel", "_rms_norm_kernel", "_quantize_rows_kernel",
-           "_attention_kernel", "_attention_combine_kernel")
+KERNELS = ("_gemv_kernel", "_gemv_words", "_rows_kernel", "_gate_kernel", "_rms_norm_kernel",
+           "_quantize_rows_kernel", "_attention_kernel", "_attention_combine_kernel")
 
 try:  # Triton ships with CUDA builds of torch; a CPU-only install computes with torch alone
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
+
+
+def _triton_has_pdl() -> bool:
+    """Whether this Triton launches with programmatic dependent launch (`launch_pdl`) and has the
+    grid-dependency instructions (`tl.extra.cuda.gdc_wait`)."""
+    if triton is None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the install
+        return False
+
+
+# Programmatic dependent launch (Hopper and later): each of the decode ops' kernels is launched so
+# that it starts while the kernel before it drains, requests the weights it streams (which nothing
+# in a step writes) at once, and waits for the kernel before (`gdc_wait`) only before it reads an
+# activation or writes its output. In a replayed step that hides the launch gap and the ramp of
+# each small product. SMELTER_DECODE_PDL=0 turns it off (to measure what it buys).
+PDL = _triton_has_pdl() and os.environ.get("SMELTER_DECODE_PDL", "1") != "0"
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def pdl_on(t: torch.Tensor) -> bool:
+    """Whether the kernels reading `t` (a CUDA tensor) launch with programmatic dependent launch."""
+    if not PDL or not t.is_cuda:
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _PDL_DEVICES:
+        _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _PDL_DEVICES[index]
+
+
+def _launch(t: torch.Tensor) -> dict[str, bool]:
+    """The launch options and the USE_GDC constant of a kernel that reads `t`."""
+    on = pdl_on(t)
+    return {"USE_GDC": on, "launch_pdl": True} if on else {"USE_GDC": False}
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,24 +157,24 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
 # (N, K, weight bytes per element) -> (BLOCK_N, BLOCK_K, num_warps) of `_gemv_kernel` for the
 # Llama-3.2-1B decoder's product shapes, and (N, K, weight bytes per element, rows bucket: 16 for up
 # to 16 rows, else 64) -> (BLOCK_N, BLOCK_K, num_warps, num_stages) of `_rows_kernel`: the fastest
-# block shapes on the H200 (2026-12-04, benchmarks/gpu_pipeline.py section decode_step, each product
-# timed inside a CUDA graph of many, as a replayed step runs it). Other shapes use the rules below.
+# block shapes on the H200 (2026-12-04 21:25 UTC, benchmarks/gpu_pipeline.py section decode_step, each
+# product timed inside a CUDA graph of many, as a replayed step runs it, with programmatic dependent
+# launch, and e4m3 at one row as words). Other shapes use the rules below.
 GEMV_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
-    (3072, 2048, 1): (4, 512, 4), (3072, 2048, 2): (8, 512, 4), (2048, 2048, 1): (4, 2048, 4),
-    (2048, 2048, 2): (8, 1024, 8), (16384, 2048, 1): (8, 512, 4), (16384, 2048, 2): (4, 512, 4),
-    (2048, 8192, 1): (8, 2048, 8), (2048, 8192, 2): (8, 1024, 8), (128256, 2048, 1): (32, 256, 4),
+    (3072, 2048, 1): (8, 512, 4), (3072, 2048, 2): (4, 512, 4), (2048, 2048, 1): (8, 2048, 8),
+    (2048, 2048, 2): (16, 1024, 8), (16384, 2048, 1): (8, 512, 4), (16384, 2048, 2): (8, 256, 4),
+    (2048, 8192, 1): (8, 2048, 8), (2048, 8192, 2): (8, 1024, 8), (128256, 2048, 1): (8, 512, 4),
     (128256, 2048, 2): (32, 256, 4)}
 ROWS_CONFIGS: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {
-    (3072, 2048, 1, 16): (32, 256, 4, 4), (3072, 2048, 2, 16): (32, 256, 4, 4),
-    (3072, 2048, 1, 64): (32, 256, 4, 4), (3072, 2048, 2, 64): (32, 256, 4, 4),
-    (2048, 2048, 1, 16): (32, 256, 4, 4), (2048, 2048, 2, 16): (16, 512, 4, 3),
+    (3072, 2048, 1, 16): (32, 256, 4, 4), (3072, 2048, 2, 16): (32, 256, 4, 4), (3072, 2048, 1, 64): (32, 256, 4, 4),
+    (3072, 2048, 2, 64): (32, 256, 4, 4), (2048, 2048, 1, 16): (32, 256, 4, 4), (2048, 2048, 2, 16): (16, 512, 4, 3),
     (2048, 2048, 1, 64): (16, 256, 4, 4), (2048, 2048, 2, 64): (16, 256, 4, 4),
     (16384, 2048, 1, 16): (32, 256, 4, 4), (16384, 2048, 2, 16): (64, 128, 4, 4),
     (16384, 2048, 1, 64): (64, 128, 4, 4), (16384, 2048, 2, 64): (128, 128, 8, 3),
-    (2048, 8192, 1, 16): (32, 256, 4, 4), (2048, 8192, 2, 16): (16, 512, 4, 3),
-    (2048, 8192, 1, 64): (16, 256, 4, 4), (2048, 8192, 2, 64): (16, 256, 4, 4),
-    (128256, 2048, 1, 16): (64, 128, 4, 4), (128256, 2048, 2, 16): (64, 128, 4, 4),
-    (128256, 2048, 1, 64): (128, 128, 8, 3), (128256, 2048, 2, 64): (128, 128, 8, 3)}
+    (2048, 8192, 1, 16): (32, 256, 4, 4), (2048, 8192, 2, 16): (16, 512, 4, 3), (2048, 8192, 1, 64): (16, 256, 4, 4),
+    (2048, 8192, 2, 64): (16, 256, 4, 4), (128256, 2048, 1, 16): (64, 128, 4, 4),
+    (128256, 2048, 2, 16): (64, 128, 4, 4), (128256, 2048, 1, 64): (128, 128, 8, 3),
+    (128256, 2048, 2, 64): (128, 128, 8, 3)}
 
 
 def gemv_config(n: int, k: int, itemsize: int) -> tuple[int, int, int]:
@@ -154,14 +206,29 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
                      HAS_SCALE: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_WORDS: tl.constexpr,
+                     USE_GDC: tl.constexpr):
         """y[m, n-block] = input[m] · w[n-block]ᵀ (× scale) (+ residual[m, n-block]) on the CUDA cores:
         one program per (BLOCK_N rows of w, row m of x). The input is x, silu(gate) * up of x = [gate,
         up] (GATED), or rms_norm(x) with weights nw (NORM): each program computes it from x as it goes
         (a few KB, from L2), cheap for one row, so the norms, the MLP's pointwise step and the
         residual adds cost no kernels of their own. The norm's 1/rms multiplies the sum at the end
         (x's squares are summed in the same pass), so the weights' loads never wait for it; the
-        normalised input is then not rounded to the activations' dtype, as the unfused step rounds it."""
+        normalised input is then not rounded to the activations' dtype, as the unfused step rounds it.
+        The weights are requested one block ahead of their use (in registers), the first block
+        before waiting on the kernel before (USE_GDC: programmatic dependent launch), since nothing
+        in a step writes them; x, the residual and y only after that wait.
+
+        W_WORDS (e4m3 weights, K a multiple of BLOCK_K): w is read as 32-bit words of 4 weights, each
+        widened to fp32 by integer operations, not the conversion instructions (with which the
+        gate_up product streamed 2.2 TB/s of e4m3 on the H200, 2.5 this way): an e4m3 value's sign, exponent
+        and mantissa bits placed at fp32's positions give the value times 2^-120 exactly (e4m3's
+        subnormals become fp32 subnormals). x is multiplied by 2^64 and the sum by 2^56, powers of
+        two, so the products stay far from fp32's subnormals."""
+        if W_WORDS:
+            _gemv_words(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
+                        eps, HAS_SCALE, GATED, NORM, HAS_RESIDUAL, BLOCK_N, BLOCK_K, USE_GDC)
+            return
         pid_n = tl.program_id(0)
         m = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,19 +237,27 @@ if triton is not None:
         x_row = x_ptr + m * stride_xm
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
         dtype = y_ptr.dtype.element_ty
+        if EVEN_K:
+            w_next = tl.load(w_rows + rk[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            w_next = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk[None, :] < K), other=0.0)
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for i in range(0, tl.cdiv(K, BLOCK_K)):
             kk = i * BLOCK_K + rk
+            w = w_next
+            ahead = kk + BLOCK_K
+            w_next = tl.load(w_rows + ahead[None, :], mask=n_ok[:, None] & (ahead[None, :] < K), other=0.0)
             if EVEN_K:
-                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
                 x = tl.load(x_row + kk).to(tl.float32)
                 if GATED:
                     u = tl.load(x_row + K + kk).to(tl.float32)
                 if NORM:
                     nw = tl.load(nw_ptr + kk).to(tl.float32)
             else:
-                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < K), other=0.0)
                 x = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
                 if GATED:
                     u = tl.load(x_row + K + kk, mask=kk < K, other=0.0).to(tl.float32)
@@ -204,11 +279,63 @@ if triton is not None:
         tl.store(y_ptr + m * stride_ym + rn, y.to(dtype), mask=n_ok)
 
     @triton.jit
+    def _gemv_words(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
+                    HAS_SCALE: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):
+        """_gemv_kernel's body for e4m3 weights read as int32 words (w_ptr, stride_wn in words)."""
+        WORDS: tl.constexpr = BLOCK_K // 4
+        pid_n = tl.program_id(0)
+        m = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rj = tl.arange(0, WORDS)
+        n_ok = rn < N
+        x_row = x_ptr + m * stride_xm
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rj[None, :]
+        dtype = y_ptr.dtype.element_ty
+        steps = K // BLOCK_K
+        r_next = tl.load(w_rows, mask=n_ok[:, None], other=0)
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        squares = tl.zeros((WORDS,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        for i in range(0, steps):
+            r = r_next
+            r_next = tl.load(w_rows + (i + 1) * WORDS, mask=n_ok[:, None] & (i + 1 < steps), other=0)
+            k4 = i * BLOCK_K + 4 * rj
+            for b in tl.static_range(4):
+                kk = k4 + b
+                x = tl.load(x_row + kk).to(tl.float32)
+                if GATED:
+                    u = tl.load(x_row + K + kk).to(tl.float32)
+                    x = (x * tl.sigmoid(x) * u).to(dtype).to(tl.float32)
+                if NORM:
+                    squares += x * x
+                    x = x * tl.load(nw_ptr + kk).to(tl.float32)
+                if b == 3:
+                    bits = r
+                else:
+                    bits = r << (24 - 8 * b)
+                w = ((bits & -2147483648) | ((bits >> 4) & 0x07F00000)).to(tl.float32, bitcast=True)
+                acc += w * (x * 18446744073709551616.0)[None, :]
+        y = tl.sum(acc, axis=1) * 72057594037927936.0
+        if NORM:
+            y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        if HAS_SCALE:
+            y = y * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
+        if HAS_RESIDUAL:
+            y = y.to(dtype).to(tl.float32) + tl.load(r_ptr + m * stride_rm + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + rn, y.to(dtype), mask=n_ok)
+
+    @triton.jit
     def _rows_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
                      HAS_SCALE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_GDC: tl.constexpr):
         """y[:, n-block] = x · w[n-block]ᵀ (× scale) (+ residual) for all M rows of x at once: one
         program per BLOCK_N output channels, so each weight is read once whatever M is."""
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -237,8 +364,11 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gate_kernel(x_ptr, y_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+    def _gate_kernel(x_ptr, y_ptr, K, stride_xm, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):
         """y[m, k-block] = silu(x[m, k]) * x[m, K + k], in y's dtype (the MLP's pointwise step)."""
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         m = tl.program_id(0)
         rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         ok = rk < K
@@ -247,8 +377,11 @@ if triton is not None:
         tl.store(y_ptr + m * K + rk, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, nw_ptr, y_ptr, K, stride_xm, eps, BLOCK_K: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, nw_ptr, y_ptr, K, stride_xm, eps, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):
         """y[m] = rms_norm(x[m]) with weights nw, rounded as the unfused step rounds it."""
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         m = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
         ok = rk < K
@@ -273,10 +406,13 @@ if triton is not None:
     def _attention_kernel(q_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, part_ptr, stats_ptr,
                           stride_qb, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                           sm_scale, chunk, SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                          D: tl.constexpr, BLOCK_S: tl.constexpr):
+                          D: tl.constexpr, BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr):
         """Program (b, KV head, split): the GROUP query heads of that KV head, rotated here, against
         positions [split * chunk, min((split + 1) * chunk, pos + 1)) of its cache, online softmax.
         One split: writes the output; more: the unnormalised output and (max, sum) per head."""
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -326,8 +462,11 @@ if triton is not None:
 
     @triton.jit
     def _attention_combine_kernel(part_ptr, stats_ptr, o_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                                  D: tl.constexpr):
+                                  D: tl.constexpr, USE_GDC: tl.constexpr):
         """Program (b * heads + head): the splits' partial softmaxes into the head's output."""
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
         rsp = tl.arange(0, SPLITS_PAD)
         rd = tl.arange(0, D)
@@ -356,12 +495,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, gate
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    words = (GEMV_WORDS and weight.dtype == FP8 and k % block_k == 0 and block_k % 4 == 0
+             and weight.stride(0) % 4 == 0 and weight.data_ptr() % 16 == 0)
+    w = weight.view(torch.int32) if words else weight
     _gemv_kernel[(triton.cdiv(n, block_n), m)](
-        x, weight, scale if scale is not None else weight, norm if norm is not None else weight,
-        residual if residual is not None else y, y, n, k, x.stride(0), weight.stride(0),
+        x, w, scale if scale is not None else weight, norm if norm is not None else weight,
+        residual if residual is not None else y, y, n, k, x.stride(0), w.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0), eps,
         HAS_SCALE=scale is not None, GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, W_WORDS=words, num_warps=warps, **_launch(x))
     return y
 
 
@@ -374,11 +516,11 @@ def prepared_input(x: torch.Tensor, gated: bool, norm: torch.Tensor | None, eps:
     m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     y = torch.empty(m, k, dtype=x.dtype, device=x.device)
     if gated:
-        _gate_kernel[(m, triton.cdiv(k, 1024))](x, y, k, x.stride(0), BLOCK_K=1024, num_warps=4)
+        _gate_kernel[(m, triton.cdiv(k, 1024))](x, y, k, x.stride(0), BLOCK_K=1024, num_warps=4, **_launch(x))
     else:
         block_k = triton.next_power_of_2(k)
         _rms_norm_kernel[(m,)](x, norm, y, k, x.stride(0), eps, BLOCK_K=block_k,
-                               num_warps=8 if block_k >= 4096 else 4)
+                               num_warps=8 if block_k >= 4096 else 4, **_launch(x))
     return y
 
 
@@ -397,7 +539,8 @@ def rows_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
         x, weight, scale if scale is not None else weight, residual if residual is not None else y, y, m, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         HAS_SCALE=scale is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
+        **_launch(x))
     return y
 
 
@@ -492,15 +635,17 @@ def attention(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: to
         stats = torch.empty(batch * heads * splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = stats = out
+    launch = _launch(q)
     _attention_kernel[(batch, kv_heads, splits)](
         q, cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous(), k_cache, v_cache, pos, out, part, stats,
         q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), d ** -0.5, chunk,
         SPLITS=splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block_s,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **launch)
     if splits > 1:
         _attention_combine_kernel[(batch * heads,)](part, stats, out, SPLITS=splits,
-                                                    SPLITS_PAD=triton.next_power_of_2(splits), D=d, num_warps=2)
+                                                    SPLITS_PAD=triton.next_power_of_2(splits), D=d, num_warps=2,
+                                                    **launch)
     return out
 
 
