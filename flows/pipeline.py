@@ -33,7 +33,7 @@ from tasks.champion import champion_build
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion, tally
 from tasks.spec import Candidate, PipelineSpec, PipelinesFile, load
-from tasks.store import ArtifactStore, StageResult
+from tasks.store import TOOL_CACHES, ArtifactStore, StageResult
 
 
 class _StageFailed(Exception):
@@ -346,7 +346,7 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
             if not judged.blocked.intersection(step.needs):
                 JUDGES[step.stage](judged, step)
         outcomes, deliveries = judged.outcomes, judged.deliveries
-        figure = _summary_figure(spec, outcomes, parent_run_id)
+        figure = _summary_figure(spec, outcomes, parent_run_id, store.root / TOOL_CACHES / summary_figure.DRAWN)
         for outcome in outcomes:
             if outcome.run_id:
                 tracking.finish_candidate(outcome.run_id, spec, outcome, figure)
@@ -361,11 +361,12 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
                                            for o in outcomes])
 
 
-def _summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome], parent_run_id: str) -> bytes | None:
+def _summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome], parent_run_id: str,
+                    drawn: Path) -> bytes | None:
     """The run's summary figure, logged on the parent run; None (and a warning) when it cannot be drawn:
     a picture never fails a run."""
     try:
-        figure = summary_figure.summary_png(spec, outcomes)
+        figure = summary_figure.summary_png(spec, outcomes, drawn)
         tracking.log_summary_figure(parent_run_id, figure)
     except Exception as e:  # noqa: BLE001 - see the docstring
         progress.message(f"warning: {spec.name}: no summary figure: {type(e).__name__}: {e}")

@@ -241,7 +241,8 @@ def _try_take(client: Any, name: str) -> UUID | None:
     import httpx
 
     try:
-        response = _soon_retried(client.increment_concurrency_slots_with_lease, [name], 1, "concurrency", LEASE_S)
+        response = _post_soon_retried(client, "/v2/concurrency_limits/increment-with-lease",
+                                      {"names": [name], "slots": 1, "mode": "concurrency", "lease_duration": LEASE_S})
     except httpx.HTTPStatusError as e:
         if e.response.status_code != 423:
             raise
@@ -249,40 +250,34 @@ def _try_take(client: Any, name: str) -> UUID | None:
     return UUID(response.json()["lease_id"])
 
 
-def _soon_retried(call: Callable[..., Any], *args: Any) -> Any:
-    """`call(*args)`, tried again within milliseconds while the server answers 503. A Prefect server on SQLite
-    answers 503 when another request holds the database's write lock (its flow and task states, logs and
-    events are written meanwhile); Prefect's client would wait 2 s and more before trying again, and
-    this happened on most slots a run took."""
+def _post_soon_retried(client: Any, path: str, body: dict[str, Any]) -> Any:
+    """POST to the Prefect API, asked again within milliseconds while the server answers 503.
+
+    A Prefect server on SQLite answers 503 when another request holds the database's write lock (a run's
+    flow and task states, logs and events are written meanwhile); Prefect's client then sleeps ~2 s before
+    each retry, and once more after its last, which happened on most slots a run took. So the request goes
+    through the client's own httpx client (its base URL and auth headers) without that loop; a server that
+    still answers 503, or 403 (CSRF protection, which Prefect's loop handles), or a dropped connection, gets
+    Prefect's way after.
+    """
     import httpx
 
-    delay = BUSY_RETRY_FIRST_S
-    with _client_retries_off():
-        for _ in range(BUSY_RETRIES):
-            try:
-                return call(*args)
-            except httpx.HTTPStatusError as e:
-                if e.response.status_code != 503:
-                    raise
-            time.sleep(delay)
-            delay = min(2 * delay, BUSY_RETRY_MAX_S)
-    return call(*args)  # with Prefect's own retries once more
-
-
-_retries_off: tuple[Any, Any] | None = None  # (settings, the same with the client's retries off), reused
-
-
-def _client_retries_off() -> contextlib.AbstractContextManager:
-    """The current Prefect settings with the client's retries off (as `temporary_settings` would make them, but
-    made once per settings: that costs ~20 ms of CPU, and a run takes a dozen slots)."""
-    global _retries_off
-    import prefect.context
-    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES
-
-    context = prefect.context.get_settings_context()
-    if _retries_off is None or _retries_off[0] is not context.settings:
-        _retries_off = (context.settings, context.settings.copy_with_update(updates={PREFECT_CLIENT_MAX_RETRIES: 0}))
-    return prefect.context.SettingsContext(profile=context.profile, settings=_retries_off[1])
+    http = client._client  # Prefect's httpx client; its `send` is the retry loop
+    delay, response = BUSY_RETRY_FIRST_S, None
+    for _ in range(BUSY_RETRIES):
+        try:
+            response = httpx.Client.send(http, http.build_request("POST", path, json=body))
+        except httpx.TransportError:  # a dropped connection: Prefect's loop knows which to retry
+            response = None
+            break
+        if response.status_code != 503:
+            break
+        time.sleep(delay)
+        delay = min(2 * delay, BUSY_RETRY_MAX_S)
+    if response is None or response.status_code in (403, 503):
+        response = http.send(http.build_request("POST", path, json=body))
+    response.raise_for_status()
+    return response
 
 
 @dataclass(frozen=True)
@@ -382,7 +377,7 @@ def _release(client: Any, lease_id: UUID, record_path: Path) -> None:
     next finds this process gone and takes the slot over."""
     with file_lock(record_path.with_suffix(".lock")):
         try:
-            _soon_retried(client.release_concurrency_slots_with_lease, lease_id)
+            _post_soon_retried(client, "/v2/concurrency_limits/decrement-with-lease", {"lease_id": str(lease_id)})
         except Exception as e:  # noqa: BLE001 - the body's own outcome matters more than the release's
             log.warning("could not give back a Prefect slot (%s: %s); the next waiter takes it over",
                         type(e).__name__, e)

@@ -2,18 +2,27 @@
 95% interval, against the speed gate, the champion marked and every bar coloured by what happened.
 
 The parent MLflow run and every engine card carry it, so whoever opens either sees the decision
-before any table.
+before any table. A picture is drawn once: drawing it (matplotlib's import and the PNG) costs about
+1 s of CPU, a tenth of a run whose stages are all cached, and such a run draws what the last one drew.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
+import json
 import math
-
-from matplotlib.figure import Figure
+import os
+from importlib.metadata import version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tasks.outcome import CandidateOutcome
 from tasks.spec import PipelineSpec
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 FILE = "summary.png"
 COLOURS = {"promoted": "#2e7d32", "passed": "#66bb6a", "pending": "#f9a825", "rejected": "#9e9e9e",
@@ -24,6 +33,8 @@ RATIO = "speedup_vs_reference"
 def summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> Figure:
     """Horizontal bars, one per candidate; a candidate with no measurement (it failed before) gets its
     status written where its bar would be."""
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(8, 1.2 + 0.55 * max(len(outcomes), 1)), layout="constrained")
     axes = figure.add_subplot()
     names = [o.candidate.name for o in outcomes]
@@ -60,10 +71,48 @@ def summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> Figu
     return figure
 
 
-def summary_png(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> bytes:
+def summary_png(spec: PipelineSpec, outcomes: list[CandidateOutcome], drawn: Path | None = None) -> bytes:
+    """The figure as PNG; with `drawn` (a folder), taken from there when the same picture was drawn before."""
+    path = drawn / f"{_picture_digest(spec, outcomes)}.png" if drawn is not None else None
+    if path is not None and path.is_file():
+        png = path.read_bytes()
+        if png.startswith(PNG_SIGNATURE) and png.endswith(PNG_END):  # a whole file, not a torn one
+            return png
     buffer = io.BytesIO()
     summary_figure(spec, outcomes).savefig(buffer, format="png", dpi=110)
-    return buffer.getvalue()
+    png = buffer.getvalue()
+    if path is not None:
+        with contextlib.suppress(OSError):  # a picture not kept is drawn again next time
+            _keep(path, png)
+    return png
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_END = b"IEND\xaeB`\x82"  # the last chunk of every PNG
+DRAWN = "summary-figures"  # the folder of pictures drawn, under the artifact store's tool caches
+KEEP_DRAWN = 64  # pictures kept; the oldest go first
+
+
+def _picture_digest(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> str:
+    """Everything the picture shows, and what draws it (this module, matplotlib's version)."""
+    gate = spec.performance.gates.get(RATIO)
+    shown: list[Any] = [hashlib.sha256(Path(__file__).read_bytes()).hexdigest(), version("matplotlib"), spec.name,
+                        spec.promotion.alias, spec.gate_point, gate.min if gate is not None else None]
+    shown += [[o.candidate.name, o.status, _holds_alias(o)] + [o.metrics.get(f"{RATIO}{end}")
+                                                             for end in ("", "_ci_low", "_ci_high")]
+              for o in outcomes]
+    return hashlib.sha256(json.dumps(shown, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _keep(path: Path, png: bytes) -> None:
+    """Written whole (a temp file renamed), then the oldest beyond KEEP_DRAWN removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(png)
+    os.replace(tmp, path)
+    kept = sorted(path.parent.glob("*.png"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in kept[KEEP_DRAWN:]:
+        old.unlink(missing_ok=True)
 
 
 def _holds_alias(outcome: CandidateOutcome) -> bool:

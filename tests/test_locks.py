@@ -152,33 +152,40 @@ def test_no_lock_leaves_records_behind(api: str, tmp_path: Path) -> None:
     assert not list((tmp_path / "locks").rglob(f"{name}.json"))
 
 
-def test_a_busy_database_answer_is_tried_again_within_milliseconds_and_other_errors_are_not() -> None:
+
+def test_a_busy_database_answer_is_asked_again_within_milliseconds_and_other_answers_are_not() -> None:
     """A Prefect server on SQLite answers 503 while another request holds the write lock; Prefect's client would
-    sleep 2 s or more before its retry, on most slots a run takes. `_soon_retried` asks again at once, with the
-    client's own retries off, and lets any other answer through."""
-    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES
+    sleep ~2 s before retrying (and once more after its last try), on most slots a run takes. Against an HTTP
+    server that answers 503 twice: the slot's request is asked again at once; a 423 (the limit is full) is not."""
+    import http.server
+    from types import SimpleNamespace
 
-    def answer(code: int) -> httpx.HTTPStatusError:
-        request = httpx.Request("POST", "http://127.0.0.1/api/v2/concurrency_limits/increment-with-lease")
-        return httpx.HTTPStatusError(str(code), request=request, response=httpx.Response(code, request=request))
+    answers: list[int] = []
 
-    calls: list[int] = []
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            code = 423 if self.path.endswith("/full") else (503 if len(answers) < 2 else 200)
+            answers.append(code)
+            self.send_response(code)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
 
-    def busy_twice(value: str) -> str:
-        calls.append(PREFECT_CLIENT_MAX_RETRIES.value())
-        if len(calls) <= 2:
-            raise answer(503)
-        return value
+        def log_message(self, *args: object) -> None:
+            pass
 
-    started = time.monotonic()
-    assert locks._soon_retried(busy_twice, "lease") == "lease"
-    assert time.monotonic() - started < 1.0 and calls == [0, 0, 0], calls
-
-    def locked(value: str) -> str:
-        calls.append(1)
-        raise answer(423)
-
-    calls.clear()
-    with pytest.raises(httpx.HTTPStatusError) as raised:
-        locks._soon_retried(locked, "lease")
-    assert raised.value.response.status_code == 423 and calls == [1]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.server_port}/api") as http_client:
+            client = SimpleNamespace(_client=http_client)  # what locks reads of Prefect's client
+            started = time.monotonic()
+            assert locks._post_soon_retried(client, "/take", {"names": ["x"]}).status_code == 200
+            assert time.monotonic() - started < 1.0 and answers == [503, 503, 200], answers
+            answers.clear()
+            with pytest.raises(httpx.HTTPStatusError) as raised:
+                locks._post_soon_retried(client, "/full", {"names": ["x"]})
+            assert raised.value.response.status_code == 423 and answers == [423]
+    finally:
+        server.shutdown()

@@ -32,3 +32,24 @@ def test_bars_gate_champion_and_status_colours(pipeline_factory, tiny_bert_dir) 
     texts = [t.get_text() for t in axes.texts]
     assert "2.5x  promoted @champion" in texts and "failed: not measured" in texts
     assert summary_png(spec, outcomes).startswith(b"\x89PNG")
+
+
+def test_a_picture_is_drawn_once_and_a_changed_outcome_or_a_torn_file_draws_it_again(
+        pipeline_factory, tiny_bert_dir, tmp_path) -> None:
+    """A run whose stages are all cached shows what the last one showed: the same picture, not drawn again. Any
+    change to what it shows (a status, a ratio, the champion) is a new picture; a file cut short is drawn again."""
+    spec = load(pipeline_factory(tiny_bert_dir, "feature-extraction", name="enc")).pipelines["enc"]
+    outcomes = [_outcome("fp32", "promoted", 2.5, holds=True), _outcome("int8", "passed", 3.0)]
+    drawn = tmp_path / "drawn"
+    first = summary_png(spec, outcomes, drawn)
+    (kept,) = drawn.glob("*.png")
+    assert kept.read_bytes() == first == summary_png(spec, outcomes)
+    kept.write_bytes(b"\x89PNG\r\n\x1a\nnot a picture IEND\xaeB`\x82")  # what a reuse would return
+    assert summary_png(spec, outcomes, drawn) == kept.read_bytes(), "a whole kept picture is reused, not drawn"
+
+    changed = [_outcome("fp32", "passed", 2.5), _outcome("int8", "promoted", 3.0, holds=True)]
+    assert summary_png(spec, changed, drawn) == summary_png(spec, changed) != first
+    assert len(list(drawn.glob("*.png"))) == 2
+
+    kept.write_bytes(first[: len(first) // 2])  # torn: a run killed while writing it (before the rename)
+    assert summary_png(spec, outcomes, drawn) == first and kept.read_bytes() == first
