@@ -31,9 +31,10 @@ plan: setup
 validate: setup
 	$(BIN)/smelter validate
 
-# Tests run in TEST_WORKERS pytest-xdist workers, each with its own servers and stores: most of a test's
-# time is spent waiting on servers and subprocesses, so 4 workers fit 2 cores.
-TEST_WORKERS ?= 4
+# Tests run in TEST_WORKERS pytest-xdist workers, each with its own servers and stores. On 2 cores, 3: more
+# workers run more processes at once and each costs more CPU (the suite took 11.0 min with 3, 11.6-12.7 with 4,
+# 14.6 with 6).
+TEST_WORKERS ?= 3
 
 test: setup
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal
