@@ -540,14 +540,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 def _write_whole(path: Path, text: str) -> None:
     """Write `text` to `path` at once (temp file + rename): an interrupted write leaves the old file."""
+    from tasks.whole_file import write_whole
+
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_whole(path, text)
 
 
 COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "notify": cmd_notify, "deploy": cmd_deploy,

@@ -8,12 +8,14 @@ installed (optimum, optimum-onnx, transformers) versions, under $SMELTER_CACHE_D
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from tasks.whole_file import write_whole
 
 TOOLS = ("optimum", "optimum-onnx", "transformers")
 
@@ -71,13 +73,6 @@ def supported_tasks(model_type: str) -> list[str] | None:
 
 def _save(path: Path, known: dict[str, list[str] | None]) -> None:
     """Atomic, and best effort: a cache that cannot be written only costs the next run the import."""
-    try:
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8") as f:
-            json.dump(known, f, sort_keys=True)
-    except OSError:
-        return
-    try:
-        os.replace(f.name, path)
-    except OSError:
-        Path(f.name).unlink(missing_ok=True)
+        write_whole(path, json.dumps(known, sort_keys=True))

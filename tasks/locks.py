@@ -39,6 +39,7 @@ from uuid import UUID
 
 from tasks.holder import Holder
 from tasks.scratch import system_temp_dir
+from tasks.whole_file import write_whole
 
 LOCK_DIR_ENV = "SMELTER_LOCK_DIR"
 LEASE_S = 60  # the least Prefect accepts: a holder killed on another host blocks others this long
@@ -322,9 +323,7 @@ def _take_or_free(client: Any, name: str, record_path: Path, temporary: bool) ->
 
 def _write(path: Path, record: SlotRecord) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(record.to_json())
-    os.replace(tmp, path)
+    write_whole(path, record.to_json())
 
 
 class SlotBusy(Exception):

@@ -29,6 +29,7 @@ from typing import Any
 
 from tasks.holder import Holder, machine_id
 from tasks.locks import file_lock
+from tasks.whole_file import write_whole
 
 MANIFEST = "manifest.json"
 MANIFEST_DIGEST = "manifest_sha256"
@@ -345,19 +346,9 @@ class HashCache:
             self._dirty = False
         try:  # best effort, like reading it: without the cache files are only hashed again
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+            write_whole(self.path, blob)
         except OSError as e:
             log.warning("hash cache %s not saved: %s", self.path, e)
-            return
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(blob)
-            os.replace(tmp, self.path)
-        except OSError as e:
-            log.warning("hash cache %s not saved: %s", self.path, e)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
 
 
 def _manifest_digest(manifest: dict[str, Any]) -> str:

@@ -13,13 +13,13 @@ import hashlib
 import io
 import json
 import math
-import os
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.outcome import CandidateOutcome
 from tasks.spec import PipelineSpec
+from tasks.whole_file import write_whole
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -105,11 +105,9 @@ def _picture_digest(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> str
 
 
 def _keep(path: Path, png: bytes) -> None:
-    """Written whole (a temp file renamed), then the oldest beyond KEEP_DRAWN removed."""
+    """Written whole, then the oldest beyond KEEP_DRAWN removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(png)
-    os.replace(tmp, path)
+    write_whole(path, png)
     kept = sorted(path.parent.glob("*.png"), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in kept[KEEP_DRAWN:]:
         old.unlink(missing_ok=True)

@@ -8,9 +8,7 @@ the sidecar records) lives here.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ from tasks import gpu
 from tasks.gpu import GpuInfo
 from tasks.backends.base import EngineMismatch, TargetSpec
 from tasks.config.schema import ProfileSpec
+from tasks.whole_file import write_whole
 
 SIDECAR = "engine.json"
 SIDECAR_FORMAT = 1
@@ -208,10 +207,7 @@ def read_timing_cache(path: Path) -> bytes:
 def save_timing_cache(path: Path, data: bytes) -> None:
     """Atomic replace: builds running side by side never leave a torn cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    write_whole(path, data)
 
 
 def timing_cache_report(path: Path, before: bytes, after: bytes) -> dict[str, Any]:
