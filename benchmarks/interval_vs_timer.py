@@ -46,7 +46,6 @@ import numpy as np
 
 from tasks import measure
 from tasks.spec import BenchmarkSpec
-from tasks.stats import Ratio
 
 BLOCK_MS = 25.0  # the independent timer's block, like a slot
 
@@ -166,7 +165,7 @@ class BlockTimer:
                 float(np.exp(np.percentile(boots, 97.5))))
 
 
-def both_ways(calls: dict[str, Callable[[], object]], args: argparse.Namespace) -> tuple[Ratio, BlockTimer, measure.Rounds]:
+def both_ways(calls: dict[str, Callable[[], object]], args: argparse.Namespace) -> tuple[measure.Rounds, BlockTimer]:
     """The stage's rounds and the independent timer's blocks over the same seconds (interleaved: `--pairs-per-round`
     block pairs after each of the stage's rounds, through tasks.measure.round_observer), or one after the other
     (`--sequential`). Interleaved, the rounds' span and budget are doubled: each method gets about the time it
@@ -183,7 +182,7 @@ def both_ways(calls: dict[str, Callable[[], object]], args: argparse.Namespace) 
         measure.round_observer = None
     if args.sequential:
         timer.run_for(args.seconds)
-    return rounds.ratio("a", "b"), timer, rounds
+    return rounds, timer
 
 
 def main() -> None:
@@ -223,11 +222,12 @@ def main() -> None:
             calls = {"a": session_call(first[0], args.threads, *first[1:]),
                      "b": session_call(second[0], args.threads, *second[1:])}
             for repeat in range(args.repeats):
-                staged, timer, rounds = both_ways(calls, args)
-                ratio, low, high = timer.ratio(rng)
-                inside = staged.low <= ratio <= staged.high and low <= staged.ratio <= high
+                rounds, timer = both_ways(calls, args)
+                staged, (ratio, low, high) = rounds.ratio("a", "b"), timer.ratio(rng)
+                stage_holds = staged.low <= ratio <= staged.high
+                inside = stage_holds and low <= staged.ratio <= high
                 agree[name] += inside
-                holds[name] += staged.low <= ratio <= staged.high
+                holds[name] += stage_holds
                 raw.append({"pair": name, "repeat": repeat + 1, "stage": [staged.ratio, staged.low, staged.high],
                             "timer": [ratio, low, high], "inside": inside, "stage_slot_ms": {
                                 k: rounds.slot_ms(k) for k in ("a", "b")}, "timer_pair_ratios": timer.ratios})
