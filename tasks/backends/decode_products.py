@@ -61,10 +61,10 @@ ATTENTION_PROGRAMS = 256  # at least this many programs stream the KV cache (pos
 # fastest: "split" where the positions are split over programs (few sequences), "whole" where each
 # program reads a KV head's whole cache.
 ATTENTION_CONFIGS = {"split": (64, 2, 4), "whole": (32, 3, 4)}
-# Every Triton kernel below (and the jitted body `_gemv_words` that one of them inlines), by name:
+# Every Triton kernel below (and the jitted bodies `_gemv_words` and `_gemv_epilogue` that one inlines), by name:
 # the build packs their compiled entries into the engine
 # (tasks/backends/kernel_bundle.py), so a fresh process does not compile them on first launch.
-KERNELS = ("_gemv_kernel", "_gemv_words", "_rows_kernel", "_gate_kernel", "_rms_norm_kernel",
+KERNELS = ("_gemv_kernel", "_gemv_words", "_gemv_epilogue", "_rows_kernel", "_gate_kernel", "_rms_norm_kernel",
            "_quantize_rows_kernel", "_attention_kernel", "_attention_combine_kernel")
 
 try:  # Triton ships with CUDA builds of torch; a CPU-only install computes with torch alone
@@ -269,14 +269,8 @@ if triton is not None:
                 squares += x * x
                 x = x * nw
             acc += w.to(tl.float32) * x[None, :]
-        y = tl.sum(acc, axis=1)
-        if NORM:
-            y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        if HAS_SCALE:
-            y = y * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
-        if HAS_RESIDUAL:
-            y = y.to(dtype).to(tl.float32) + tl.load(r_ptr + m * stride_rm + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * stride_ym + rn, y.to(dtype), mask=n_ok)
+        _gemv_epilogue(tl.sum(acc, axis=1), squares, s_ptr, r_ptr, y_ptr, rn, n_ok, m, K, stride_rm, stride_ym, eps,
+                       HAS_SCALE, NORM, HAS_RESIDUAL)
 
     @triton.jit
     def _gemv_words(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
@@ -318,7 +312,15 @@ if triton is not None:
                     bits = r << (24 - 8 * b)
                 w = ((bits & -2147483648) | ((bits >> 4) & 0x07F00000)).to(tl.float32, bitcast=True)
                 acc += w * (x * 18446744073709551616.0)[None, :]
-        y = tl.sum(acc, axis=1) * 72057594037927936.0
+        _gemv_epilogue(tl.sum(acc, axis=1) * 72057594037927936.0, squares, s_ptr, r_ptr, y_ptr, rn, n_ok, m, K,
+                       stride_rm, stride_ym, eps, HAS_SCALE, NORM, HAS_RESIDUAL)
+
+    @triton.jit
+    def _gemv_epilogue(y, squares, s_ptr, r_ptr, y_ptr, rn, n_ok, m, K, stride_rm, stride_ym, eps,
+                       HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """The one-row products' end, shared by both bodies: y (the row's sums, fp32) times the norm's 1/rms and
+        the weights' scale, rounded to the activations' dtype, plus the residual, stored."""
+        dtype = y_ptr.dtype.element_ty
         if NORM:
             y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         if HAS_SCALE:
