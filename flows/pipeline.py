@@ -30,6 +30,7 @@ from flows.stages import run_step
 from tasks import (benchmark, decide, engine_check, gates, graph, notify, promote, scratch, summary_figure,
                    tracking, triton)
 from tasks.champion import champion_build
+from tasks.error_text import described
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion, tally
 from tasks.spec import Candidate, PipelineSpec, PipelinesFile, load
@@ -61,7 +62,7 @@ class _Memo:
             try:
                 self._done[key] = _unwrap(call())
             except Exception as e:  # noqa: BLE001 - any stage error fails its candidates, not the run
-                progress.stage_failed(node, stage, f"{type(e).__name__}: {e}")
+                progress.stage_failed(node, stage, described(e))
                 self._done[key] = _StageFailed(stage, e)
         done = self._done[key]
         if isinstance(done, _StageFailed):
@@ -82,7 +83,7 @@ def build_candidate(spec: PipelineSpec, candidate: Candidate, store: ArtifactSto
     except _StageFailed as failed:
         outcome.status = "failed"
         outcome.failed_stage = failed.stage
-        outcome.error = f"{failed.stage} failed: {type(failed.error).__name__}: {failed.error}"
+        outcome.error = f"{failed.stage} failed: {described(failed.error)}"
     return outcome
 
 
@@ -97,10 +98,10 @@ def benchmark_target(spec: PipelineSpec, target: str, outcomes: list[CandidateOu
     try:
         result = _unwrap(run_step(step, {("build", o.candidate.name): o.stages["build"] for o in built}, store, force))
     except Exception as e:  # noqa: BLE001 - the target's candidates fail; other targets go on
-        progress.stage_failed(step.node, "benchmark", f"{type(e).__name__}: {e}")
+        progress.stage_failed(step.node, "benchmark", described(e))
         for outcome in built:
             outcome.status, outcome.failed_stage = "failed", "benchmark"
-            outcome.error = f"benchmark failed: {type(e).__name__}: {e}"
+            outcome.error = f"benchmark failed: {described(e)}"
         return
     for outcome in built:
         outcome.stages["benchmark"] = benchmark.for_candidate(result, outcome.candidate.name, champion)
@@ -270,7 +271,7 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
             _check_engine_here(spec, outcome, run_id)
             run_ids.append(run_id)
         except Exception as e:  # noqa: BLE001 - the parent finds no run for it and fails it; the others go on
-            progress.stage_failed(outcome.candidate.name, "track", f"{type(e).__name__}: {e}")
+            progress.stage_failed(outcome.candidate.name, "track", described(e))
     return run_ids
 
 
@@ -292,12 +293,12 @@ def _build_everywhere(specs: PipelinesFile, spec: PipelineSpec, targets: list[st
         try:
             build_targets(**build_parameters, targets=local, parent_run_id=parent_run_id)
         except Exception as e:  # noqa: BLE001 - the local targets fail; the other pools' builds go on
-            missing |= {t: f"build failed: {type(e).__name__}: {e}" for t in local}
+            missing |= {t: f"build failed: {described(e)}" for t in local}
     for pool, future in futures.items():
         try:
             ran = future.result()
         except Exception as e:  # noqa: BLE001 - this pool's targets fail; the rest of the run goes on
-            ran = fleet.PoolRun(pool, None, f"build on pool {pool} failed: {type(e).__name__}: {e}")
+            ran = fleet.PoolRun(pool, None, f"build on pool {pool} failed: {described(e)}")
         missing |= {t: ran.failure or f"build on pool {pool} (flow run {ran.flow_run_id}) logged no MLflow run"
                     for t in remote[pool]}
     return missing

@@ -26,6 +26,7 @@ import onnxruntime as ort
 
 from tasks import killpoints
 from tasks.calibration_feeds import CalibrationSource, calibration_batches
+from tasks.error_text import described
 from tasks.qdq_lint import check_qdq
 from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec, QuantizationSpec
@@ -247,25 +248,45 @@ def _absorbing_nodes(node: onnx.NodeProto, consumers: dict[str, list[onnx.NodePr
     return found
 
 
-def fuse_for_cpu(source: Path, target: Path) -> None:
-    """ONNX Runtime's own graph fusions (extended level), saved so quantization sees the fused graph.
+# ONNX Runtime's fusion levels, most fused first: the graph CPU int8 is quantized on is the most fused one
+# that symbolic shape inference can type (on a Llama-family graph without past it asserts on an Expand
+# of the extended level's fused graph, while the basic level's graph types fine).
+FUSION_LEVELS = ("extended", "basic")
+
+
+def fuse_for_cpu(source: Path, target: Path) -> dict[str, Any]:
+    """ONNX Runtime's own graph fusions, saved so quantization sees the fused graph; returns the level kept
+    and why more fused levels were not.
 
     Quantizing after fusion is what makes int8 fast on x86: the integer kernels then cover
     whole fused ops instead of Q/DQ pairs around every small op that fusion can no longer merge.
     Symbolic shape inference then types the outputs of the fused contrib ops (BiasGelu, ...; decoders need
     guess_output_rank for their rotary and mask subgraphs);
-    the quantizer silently leaves an untyped tensor in float.
+    the quantizer silently leaves an untyped tensor in float, so a level it cannot type is not used.
     """
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    skipped = []
+    for level in FUSION_LEVELS:
+        try:
+            _save(_typed(_fused(source, target, level)), target)
+            return {"level": level, "skipped": skipped}
+        except Exception as e:  # noqa: BLE001 - ONNX Runtime's inference asserts without a message
+            skipped.append(f"{level}: shape inference failed ({described(e)})")
+    raise RuntimeError(f"{source}: no fused graph for CPU int8 could be typed: {'; '.join(skipped)}")
 
+
+def _fused(source: Path, target: Path, level: str) -> onnx.ModelProto:
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, f"ORT_ENABLE_{level.upper()}")
     options.optimized_model_filepath = str(target)
     ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
-    fused = onnx.load(str(target))
+    return onnx.load(str(target))
+
+
+def _typed(model: onnx.ModelProto) -> onnx.ModelProto:
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
     with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):  # on failure it dumps the model in cwd
-        typed = SymbolicShapeInference.infer_shapes(fused, auto_merge=True, guess_output_rank=True)
-    _save(typed, target)
+        return SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
 
 
 def _tensorrt_options(model: onnx.ModelProto) -> dict[str, Any]:
@@ -306,7 +327,7 @@ def _int8(config: PrecisionConfig, source: Path, out_dir: Path) -> dict[str, Any
                                               op_types, quantize)
         fallback = {"accuracy_fallback": record}
     lint = check_qdq(onnx.load(str(out_dir / MODEL_FILE)), f"{config.pipeline} int8 {MODEL_FILE}")
-    cpu_excluded, uncalibrated = _cpu_int8(quant, model, source, out_dir, excluded, method)
+    cpu_excluded, uncalibrated, fusion = _cpu_int8(quant, model, source, out_dir, excluded, method)
     if fallback:
         from tasks.int8_fallback import graph_metrics
 
@@ -317,29 +338,30 @@ def _int8(config: PrecisionConfig, source: Path, out_dir: Path) -> dict[str, Any
                     calibration={"data": settings.data, "sha256": file_digest(calib.data_path),
                                  "samples": settings.samples, "method": settings.method, "seq_len": settings.seq_len,
                                  "batch_size": settings.batch_size, "batches": len(batches)},
-                    cpu_format=quant.cpu_format, cpu_excluded_nodes=cpu_excluded, cpu_uncalibrated=uncalibrated)
+                    cpu_format=quant.cpu_format, cpu_fusion=fusion, cpu_excluded_nodes=cpu_excluded,
+                    cpu_uncalibrated=uncalibrated)
 
 
 def _cpu_int8(quant: QuantizationSpec, model: onnx.ModelProto, source: Path, out_dir: Path, excluded: list[str],
-              method: CalibrationMethod) -> tuple[list[str], dict[str, Any]]:
+              method: CalibrationMethod) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
     """model.cpu.onnx: the fused graph, int8 in the form ONNX Runtime's x86 kernels run fast.
 
-    Returns the fused graph's excluded nodes and what uncalibrated() found (nothing for dynamic,
-    which measures ranges on every call).
+    Returns the fused graph's excluded nodes, what uncalibrated() found (nothing for dynamic,
+    which measures ranges on every call) and the fusion level used (fuse_for_cpu).
     """
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     skip_types = set(quant.exclude_op_types)
     with tempfile.TemporaryDirectory(prefix="smelter-fuse-") as tmp:
         fused_path = Path(tmp) / "fused.onnx"
-        fuse_for_cpu(source, fused_path)
+        fusion = fuse_for_cpu(source, fused_path)
         fused = onnx.load(str(fused_path))
         cpu_excluded = fused_exclusions(model, fused, excluded)
         common = {"per_channel": True, "weight_type": QuantType.QInt8}
         if quant.cpu_format == "dynamic":
             quantize_dynamic(fused_path, out_dir / CPU_MODEL_FILE, nodes_to_exclude=cpu_excluded,
                              op_types_to_quantize=[t for t in CPU_DYNAMIC_OP_TYPES if t not in skip_types], **common)
-            return cpu_excluded, {"count": 0, "tensors": [], "nodes": []}
+            return cpu_excluded, {"count": 0, "tensors": [], "nodes": []}, fusion
         op_types = [t for t in QUANTIZED_OP_TYPES if t not in skip_types]
         missing = uncalibrated(fused, out_dir / CALIBRATION_FILE, op_types, cpu_excluded)
         # The cache exists, so quantize_static loads it and never calibrates: no data reader is needed.
@@ -347,7 +369,7 @@ def _cpu_int8(quant: QuantizationSpec, model: onnx.ModelProto, source: Path, out
                         op_types_to_quantize=op_types, activation_type=QuantType.QUInt8, calibrate_method=method,
                         calibration_cache_path=out_dir / CALIBRATION_FILE,
                         nodes_to_exclude=cpu_excluded + missing["nodes"], **common)
-    return cpu_excluded, missing
+    return cpu_excluded, missing, fusion
 
 
 def uncalibrated(model: onnx.ModelProto, calibration: Path, op_types: Iterable[str],
