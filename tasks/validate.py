@@ -2,8 +2,10 @@
 
 An export that is wrong only at the largest batch or the longest past still ships a broken
 engine, so the exported graph is compared with the model it came from on real text at the min,
-opt and max point of every profile, output by output, with per-output tolerances. A failure
-stops the pipeline before any engine is built, and leaves no artifact behind.
+opt and max point of every profile, output by output, with per-output tolerances. Every row is
+real tokens (no padding), so the longest positions are really run, and every feed is checked
+against the graph's declared dims first. A failure stops the pipeline before any engine is
+built, and leaves no artifact behind.
 """
 
 from __future__ import annotations
@@ -167,6 +169,64 @@ def _describe_failure(output: str, point: str, shape: dict[str, int], stats: dic
             f"max_rel {stats['max_rel']:.3g} exceed atol {stats['atol']:g} / rtol {stats['rtol']:g}")
 
 
+def _static(dim: int | str) -> bool:
+    """A fixed dim; the export's facts write an unnamed open dim as 0, which is no size a graph fixes."""
+    return isinstance(dim, int) and dim > 0
+
+
+def feed_shape_problems(feeds: dict[str, np.ndarray], declared: dict[str, list[int | str]], point: str) -> list[str]:
+    """Where a feed's shape disagrees with the graph's declared input dims (a fixed dim must match exactly;
+    a named dim must take one value across the inputs that share it).
+
+    Polygraphy's Comparator reshapes a feed that does not fit (a zero-size one fits any zero-size
+    shape), which would compare the engine on inputs it was never given; so they are checked first.
+    """
+    problems, bound = [], {}
+    for name, value in feeds.items():
+        dims = declared.get(name)
+        if dims is None:
+            continue
+        where = f"input {name!r} at {point}: fed shape {list(value.shape)}, the graph declares {list(dims)}"
+        if len(dims) != value.ndim:
+            problems.append(f"{where} (rank {value.ndim} vs {len(dims)})")
+            continue
+        for axis, (dim, size) in enumerate(zip(dims, value.shape)):
+            if _static(dim) and dim != size:
+                problems.append(f"{where} (axis {axis} must be {dim})")
+            elif isinstance(dim, str) and dim:
+                first = bound.setdefault(dim, (size, name))
+                if first[0] != size:
+                    problems.append(f"{where} (axis {axis} {dim!r} is {size}, but {first[0]} in {first[1]!r})")
+    return problems
+
+
+def _point_feeds(config: ValidateConfig, declared: dict[str, list[int | str]], points: dict[str, dict[str, int]],
+                 tokenizer: Any, reference: torch.nn.Module) -> list[dict[str, np.ndarray]]:
+    """Real-token feeds at every point: encoder rows are filled with text, never padded, so the longest
+    positions are run; an empty KV cache is shaped as the graph declares it."""
+    texts = read_texts(config.data_path)
+    return [point_feeds(config.source.model, tokenizer, reference, texts, shape, list(declared), declared,
+                        real_tokens_only=True) for shape in points.values()]
+
+
+def _runner_failure(runners: list[BaseRunner], points: dict[str, dict[str, int]], feeds: list[dict[str, np.ndarray]],
+                    error: Exception) -> str:
+    """Which runner failed at which point: the Comparator runs every point in one go, so rerun them one by one."""
+    from polygraphy.comparator import Comparator
+
+    for (point, shape), feed in zip(points.items(), feeds):
+        for runner in runners:
+            try:
+                Comparator.run([runner], data_loader=[feed])
+            except Exception as e:
+                return f"{runner.name} failed at {point} shape {shape}: {type(e).__name__}: {e}"
+    return f"a runner failed: {type(error).__name__}: {error}"
+
+
+def _failed_report(points: dict[str, dict[str, int]], failures: list[str]) -> dict[str, Any]:
+    return {"passed": False, "points": points, "outputs": {}, "nan_inf": [], "failures": failures}
+
+
 def compare(config: ValidateConfig, export_result: StageResult) -> dict[str, Any]:
     """Run ONNX Runtime and PyTorch on the same real inputs at every shape point; the report, pass or fail."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
@@ -174,17 +234,23 @@ def compare(config: ValidateConfig, export_result: StageResult) -> dict[str, Any
     from polygraphy.logger import G_LOGGER
 
     inputs = export_result.outputs["inputs"]
-    input_names = list(inputs)
     model, validation = config.source.model, config.validation
-    tokenizer, reference = load_tokenizer(config.source), load_reference(config.source)
-    texts = read_texts(config.data_path)
+    reference = load_reference(config.source)
     points = _shape_points(config)
-    feeds = [point_feeds(model, tokenizer, reference, texts, shape, input_names) for shape in points.values()]
+    declared = {name: facts["shape"] for name, facts in inputs.items()}
+    feeds = _point_feeds(config, declared, points, load_tokenizer(config.source), reference)
+    mismatched = [problem for point, feed in zip(points, feeds)
+                  for problem in feed_shape_problems(feed, declared, point)]
+    if mismatched:
+        return _failed_report(points, mismatched)
     onnx_runner = OnnxrtRunner(SessionFromOnnx(str(export_result.file("model.onnx")), providers=["cpu"]),
                                name="onnxruntime")
     torch_runner = torch_reference_runner(reference, model.task, inputs)
     with G_LOGGER.verbosity(G_LOGGER.ERROR):
-        run_results = Comparator.run([onnx_runner, torch_runner], data_loader=feeds)
+        try:
+            run_results = Comparator.run([onnx_runner, torch_runner], data_loader=feeds)
+        except Exception as e:  # a graph (or reference) that cannot run a point's real tokens fails validation
+            return _failed_report(points, [_runner_failure([onnx_runner, torch_runner], points, feeds, e)])
         finite = Comparator.validate(run_results, check_nan=True, check_inf=True)
         tolerances = {name: validation.tolerance(name) for name in run_results[torch_runner.name][0]}
         compare_func = SimpleCompareFunc(
