@@ -16,7 +16,7 @@ from typing import Any
 import onnx
 
 from tasks import killpoints
-from tasks.models import ModelSource, load_tokenizer, model_source_digest
+from tasks.models import ModelSource, classifier_pad_token_id, load_tokenizer, model_source_digest
 from tasks.stage import Work, run_stage
 from tasks.spec import PipelineSpec
 from tasks.store import ArtifactStore, StageResult, StageWriter, tool_versions
@@ -70,8 +70,10 @@ def _export(model: ModelSource, out_dir: Path, opset: int) -> None:
         source: dict[str, Any] = {"model_name_or_path": str(model.directory), "local_files_only": True}
     else:
         source = {"model_name_or_path": model.model.id, "revision": model.model.revision}
+    # Optimum asks a classifier without config.pad_token_id for one (its CLI's --pad_token_id) and guesses the
+    # tokenizer's pad only: give it the id the feeds are padded with, pad or else eos (ignored when the config has one)
     main_export(**source, output=out_dir, task=model.model.task, opset=opset, device="cpu",
-                do_validation=False, library_name="transformers")
+                do_validation=False, library_name="transformers", pad_token_id=classifier_pad_token_id(model))
     if not (out_dir / ONNX_FILE).is_file():
         produced = sorted(p.name for p in out_dir.glob("*.onnx"))
         raise RuntimeError(f"pipeline {model.pipeline}: Optimum export of task {model.model.task} wrote {produced}, "

@@ -50,14 +50,24 @@ def _source(source: ModelSource) -> tuple[str, dict[str, Any]]:
 
 
 def load_tokenizer(source: ModelSource) -> Any:
-    """The model's tokenizer; decoders without a pad token pad with eos so batches can be padded."""
+    """The model's tokenizer; decoders and classifiers without a pad token pad with eos so batches can be padded
+    (a decoder classifier, GPT-NeoX's say, often ships none)."""
     from transformers import AutoTokenizer
 
     where, kwargs = _source(source)
     tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-    if source.model.is_decoder and tokenizer.pad_token is None:
+    if (source.model.is_decoder or source.model.task == "text-classification") and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def classifier_pad_token_id(source: ModelSource) -> int | None:
+    """The pad id a classifier is exported and run with when its config.json has none: the one its batches are
+    padded with (load_tokenizer's). A decoder classifier reads each row's last real token by it, so the graph,
+    the PyTorch reference and the feeds must agree; None for other tasks, or a tokenizer without pad or eos."""
+    if source.model.task != "text-classification":
+        return None
+    return load_tokenizer(source).pad_token_id
 
 
 def load_reference(source: ModelSource) -> torch.nn.Module:
@@ -74,6 +84,8 @@ def load_reference(source: ModelSource) -> torch.nn.Module:
                          f"{source.model.task}: {len(missing)} tensors are missing ({', '.join(sorted(missing)[:5])}"
                          f"{', ...' if len(missing) > 5 else ''}), so they would be random; use the checkpoint "
                          "the config belongs to")
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = classifier_pad_token_id(source)  # as the export was made with it
     return model.to("cpu").eval()
 
 

@@ -31,6 +31,23 @@ MAX_SAMPLE_CHARS = 100_000
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
                  "max_seq_len")
 
+# Model types whose learned positions are numbered from padding_idx + 1 (fairseq's make_positions, as
+# transformers' create_position_ids_from_input_ids does): padding_idx + 1 rows of the table are never a position.
+# padding_idx is config.pad_token_id (transformers' default 1), except for mpnet, which fixes it at 1.
+PADDING_OFFSET_TYPES = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "ibert",
+                        "longformer", "luke", "roberta-prelayernorm", "xmod", "esm", "mpnet")
+FIXED_PADDING_IDX = {"mpnet": 1}
+DEFAULT_PADDING_IDX = 1
+# Model types whose exported graph is wrong beyond config.sliding_window (transformers 4.57, Optimum 2.1, tiny
+# models with a window of 8 run at past 16 + seq 16): Gemma2's fails at ONNX Runtime (a broadcast in its
+# attention), Gemma3's runs and differs from PyTorch by 0.2 in the logits. Mistral's, Phi3's and Qwen2's (window
+# on) matched PyTorch to 2e-7 there, so their windows bound nothing: Phi-3-mini ships sliding_window 2047.
+SLIDING_WINDOW_TYPES = ("gemma2", "gemma3", "gemma3_text")
+# The heads each task's checkpoint must carry (transformers' class name suffixes; see tasks.models' auto classes).
+CLASSIFIER_HEADS = ("ForSequenceClassification",)
+LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+SMELTER_TASKS = ("feature-extraction", "text-classification", "text-generation", "text-generation-with-past")
+
 # What transformers loads a local model from: single-file weights, sharded checkpoints, tokenizers.
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -47,7 +64,8 @@ class Checks:
 
 
 def check(spec: PipelineSpec, *, allow_outside_paths: bool, check_env: bool) -> Checks:
-    found = Checks(problems=_data_problems(spec, allow_outside_paths), warnings=_idle_precision_settings(spec))
+    found = Checks(problems=_data_problems(spec, allow_outside_paths),
+                   warnings=_idle_precision_settings(spec) + _calibration_shape_warnings(spec))
     _check_model(spec, found)
     if check_env:
         found.problems += [(("promotion", "webhooks", i, "secret_env"), f"environment variable {hook.secret_env} "
@@ -132,6 +150,7 @@ def _check_model(spec: PipelineSpec, found: Checks) -> None:
             found.problems.append((("model", "path"), problem))
             return
         source = f"{clip(str(spec.model_dir))}/config.json"
+        found.problems += _pad_token_problems(spec, config, spec.model_dir, source)
     else:
         config, note = _cached_hub_config(spec.model.id or "", spec.model.revision)
         if note:
@@ -139,6 +158,36 @@ def _check_model(spec: PipelineSpec, found: Checks) -> None:
             return
         source = f"the cached config.json of {spec.model.id}"
     found.problems += config_problems(spec, config, source)
+
+
+def _pad_token_problems(spec: PipelineSpec, config: dict[str, Any], model_dir: Path | None,
+                        source: str) -> list[Located]:
+    """A classifier's batches are padded, and a decoder classifier finds each row's last real token by the pad
+    id: Optimum refuses to export one without it. smelter uses config.json's pad_token_id, else the tokenizer's
+    pad token, else its eos (tasks.models.load_tokenizer); with none of them there is nothing to pad with.
+
+    Refused only when the saved tokenizer lists its special tokens (as save_pretrained writes them) and neither
+    is among them: without such files, the tokenizer class's defaults apply, which cannot be read here.
+    """
+    if spec.model.task != "text-classification" or model_dir is None or config.get("pad_token_id") is not None:
+        return []
+    named = _tokenizer_special_tokens(model_dir)
+    if not named or named & {"pad_token", "eos_token"}:
+        return []
+    return [(_model_key(spec), f"{source} has no pad_token_id and its tokenizer names no pad_token or eos_token; "
+                               "text-classification pads its batches and a decoder classifier reads each row's "
+                               "last token by that id: expected a pad_token_id in config.json (or a pad_token in "
+                               "tokenizer_config.json)")]
+
+
+def _tokenizer_special_tokens(model_dir: Path) -> set[str]:
+    """The special-token roles a saved tokenizer names (pad_token, eos_token, ...); empty without such files."""
+    named: set[str] = set()
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        data, problem = _json_file(model_dir / name) if (model_dir / name).is_file() else ({}, None)
+        named |= {key for key, value in data.items() if key.endswith("_token") and not problem and
+                  (isinstance(value, str) and value or isinstance(value, dict) and value.get("content"))}
+    return named
 
 
 def _local_config(spec: PipelineSpec) -> tuple[dict[str, Any], str | None]:
@@ -283,34 +332,125 @@ def _cached_hub_config(repo_id: str, revision: str) -> tuple[dict[str, Any], str
 
 
 def config_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
-    """The task against what Optimum exports for this model type; every shape against the model's positions."""
-    problems: list[Located] = []
+    """The model's kind and head against the task, the task against what Optimum exports for this model type,
+    every shape against the model's positions and attention window."""
+    if config.get("is_encoder_decoder") is True:
+        return [_encoder_decoder_problem(spec, config, source)]
+    problems = _task_problems(spec, config, source)
+    problems += _head_problems(spec, config, source)
+    problems += _fp8_problems(spec, config, source)
+    problems += _length_problems(spec, config, source)
+    return problems
+
+
+def _model_key(spec: PipelineSpec) -> tuple[str, str]:
+    """Where the model's own files are named: a fault of the checkpoint is reported there."""
+    return ("model", "path") if spec.model.path else ("model", "id")
+
+
+def _encoder_decoder_problem(spec: PipelineSpec, config: dict[str, Any], source: str) -> Located:
+    """Every stage feeds one stack (input_ids, attention_mask, maybe a KV cache); an encoder-decoder also
+    needs decoder_input_ids, which no stage makes, so it would fail inside the first stage that runs it."""
+    return (_model_key(spec), f"{source} has is_encoder_decoder: true ({shown(config['model_type'])} is an "
+                              "encoder-decoder); expected an encoder-only model (feature-extraction, "
+                              "text-classification) or a decoder-only one (text-generation, "
+                              "text-generation-with-past)")
+
+
+def _task_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
+    """The task against Optimum's exporter, naming only the tasks smelter could build instead."""
     model_type = config["model_type"]
     try:
         tasks = exporter_support.supported_tasks(model_type)
     except ImportError as e:
         return [(("model", "task"), f"cannot check the task: Optimum's ONNX exporter does not import ({clip(str(e))})")]
     if tasks is None:
-        problems.append((("model", "task"), f"Optimum's ONNX exporter cannot export model type {shown(model_type)} "
-                                            f"({source})"))
-    elif spec.model.task not in tasks:
-        problems.append((("model", "task"), f"Optimum's ONNX exporter cannot export {shown(model_type)} models for "
-                                            f"{spec.model.task}; it supports {', '.join(tasks)}"))
-    problems += _fp8_problems(spec, config, source)
-    key, limit = max_positions(config)
-    if limit is None:
-        return problems
+        return [(("model", "task"), f"Optimum's ONNX exporter cannot export model type {shown(model_type)} "
+                                    f"({source})")]
+    if spec.model.task in tasks:
+        return []
+    ours = [task for task in SMELTER_TASKS if task in tasks]
+    offered = (f"it supports {', '.join(ours)} (of smelter's tasks)" if ours else
+               f"it supports none of smelter's tasks ({', '.join(SMELTER_TASKS)})")
+    return [(("model", "task"), f"Optimum's ONNX exporter cannot export {shown(model_type)} models for "
+                                f"{spec.model.task}; {offered}")]
+
+
+def _head_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
+    """A checkpoint without the task's head loads with that head random: refused now, by its `architectures`.
+
+    Only a clear mismatch is refused: no `architectures`, or one with the head, passes. A decoder checkpoint
+    without an LM head still works when its output embeddings are tied to the input ones, so only an explicit
+    tie_word_embeddings: false refuses it.
+    """
+    names = config.get("architectures")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        return []
+    if spec.model.task == "text-classification":
+        needed, head = CLASSIFIER_HEADS, "a sequence-classification head (*ForSequenceClassification)"
+    elif spec.model.is_decoder and config.get("tie_word_embeddings") is False:
+        needed, head = LM_HEADS, "a language-model head (*ForCausalLM or *LMHeadModel)"
+    else:
+        return []
+    if any(name.endswith(needed) for name in names):
+        return []
+    return [(("model", "task"), f"{source} has architectures {clip(', '.join(names))}, a checkpoint without "
+                                f"{head}; {spec.model.task} needs one (its weights would be random): use the "
+                                "checkpoint fine-tuned for the task, or a task this checkpoint has a head for")]
+
+
+def _length_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
+    """Every profile's longest sequence (with its KV cache) within the model's usable positions and its
+    attention window, and calibration's sequence within the positions."""
+    problems: list[Located] = []
+    _, limit, why = usable_positions(config)
+    if limit is not None:
+        problems += [(where, f"{longest} tokens is beyond the model's {why} ({source})")
+                     for where, longest, tokens in _profile_lengths(spec) if tokens > limit]
+        past = _calibration_past(spec)
+        if spec.calibrates() and spec.calibration.seq_len + past > limit:
+            tokens = f"{spec.calibration.seq_len} + past {past}" if past else f"{spec.calibration.seq_len}"
+            problems.append((("calibration", "seq_len"), f"{tokens} tokens is beyond the model's {why} ({source})"))
+    window, window_key = sliding_window(config)
+    if window is not None:
+        problems += [(where, f"{longest} tokens is beyond the model's {window_key} {window}; expected every "
+                             f"profile's seq + past at most {window} (the exported graph's sliding-window mask "
+                             f"fails at ONNX Runtime beyond it) ({source})")
+                     for where, longest, tokens in _profile_lengths(spec) if tokens > window]
+    return problems
+
+
+def _profile_lengths(spec: PipelineSpec) -> list[tuple[tuple[Any, ...], str, int]]:
+    """(where, how it adds up, tokens) of each profile's longest sequence, KV cache included."""
+    lengths = []
     for i, profile in enumerate(spec.profiles):
         past = profile.past[2] if profile.past else 0
-        if profile.seq[2] + past > limit:
-            longest = f"seq max {profile.seq[2]} + past max {past}" if profile.past else f"seq max {profile.seq[2]}"
-            problems.append((("profiles", i, "past" if profile.past else "seq"),
-                             f"{longest} = {profile.seq[2] + past} tokens is beyond the model's {key} {limit} "
-                             f"({source})"))
-    if spec.calibrates() and spec.calibration.seq_len > limit:
-        problems.append((("calibration", "seq_len"), f"{spec.calibration.seq_len} tokens is beyond the model's "
-                                                     f"{key} {limit} ({source})"))
-    return problems
+        longest = f"seq max {profile.seq[2]} + past max {past}" if profile.past else f"seq max {profile.seq[2]}"
+        lengths.append((("profiles", i, "past" if profile.past else "seq"), f"{longest} = {profile.seq[2] + past}",
+                        profile.seq[2] + past))
+    return lengths
+
+
+def _calibration_past(spec: PipelineSpec) -> int:
+    """The KV cache calibration feeds come after (tasks.calibration_feeds: the first profile's typical past)."""
+    first = spec.profiles[0]
+    return first.past[1] if spec.model.has_past and first.past else 0
+
+
+def _calibration_shape_warnings(spec: PipelineSpec) -> list[Located]:
+    """A calibration.seq_len written outside every profile's seq range calibrates int8 ranges on sequences no
+    engine serves. A warning, not an error as accuracy.seq_len's is: calibration runs the fp32 graph (or the
+    PyTorch model), never an engine, so it works, and its default (128) is left alone. Its batch size is not
+    checked: it only sets how many samples go through at once."""
+    if not spec.calibrates() or "seq_len" not in spec.calibration.model_fields_set:
+        return []
+    seq_len = spec.calibration.seq_len
+    if any(p.seq[0] <= seq_len <= p.seq[2] for p in spec.profiles):
+        return []
+    ranges = ", ".join(f"[{p.seq[0]}, {p.seq[2]}]" for p in spec.profiles)
+    return [(("calibration", "seq_len"), f"{seq_len} is outside every profile's seq range ({ranges}): int8 is "
+                                         "calibrated on sequences the engines never serve; expected a length within "
+                                         "a profile")]
 
 
 def _fp8_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
@@ -340,9 +480,65 @@ def _fp8_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> li
 
 def max_positions(config: dict[str, Any]) -> tuple[str | None, int | None]:
     """The config key bounding the model's positions and its value, looking into text_config too."""
-    for scope in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+    for scope in _scopes(config):
         for key in POSITION_KEYS:
             value = scope.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            if _positive_int(value):
                 return key, value
     return None, None
+
+
+def usable_positions(config: dict[str, Any]) -> tuple[str | None, int | None, str]:
+    """(key, the longest sequence the model can take, that limit in words for a message).
+
+    RoBERTa-family models number positions from padding_idx + 1, so max_position_embeddings 514 with
+    pad_token_id 1 takes 512 tokens: 514 would index past the table (a Gather error in the engine).
+    """
+    key, table = max_positions(config)
+    if key is None or table is None:
+        return None, None, ""
+    offset, pad = position_offset(config)
+    if key != "max_position_embeddings" or not offset:
+        return key, table, f"{key} {table}"
+    return key, table - offset, (f"usable positions {table - offset} ({key} {table} less {offset}: its positions "
+                                 f"start after pad_token_id {pad})")
+
+
+def position_offset(config: dict[str, Any]) -> tuple[int, int | None]:
+    """(rows of the position table no token uses, the padding_idx they follow) for RoBERTa-style models."""
+    model_type = config.get("model_type")
+    if model_type not in PADDING_OFFSET_TYPES or config.get("position_embedding_type", "absolute") != "absolute":
+        return 0, None
+    pad = FIXED_PADDING_IDX.get(model_type, config.get("pad_token_id", DEFAULT_PADDING_IDX))
+    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+        return 0, None
+    return pad + 1, pad
+
+
+def sliding_window(config: dict[str, Any]) -> tuple[int | None, str]:
+    """(the attention window a model's exported graph is bound by, its key), or (None, "") when it has none.
+
+    Only for model types whose attention applies it, and not when the config turns it off
+    (use_sliding_window: false, as Qwen2/Qwen3 ship) or no layer is a sliding one (layer_types).
+    """
+    for scope in _scopes(config):
+        if scope.get("model_type", config.get("model_type")) not in SLIDING_WINDOW_TYPES:
+            continue
+        window = scope.get("sliding_window")
+        layers = scope.get("layer_types")
+        if not _positive_int(window) or scope.get("use_sliding_window") is False:
+            continue
+        if isinstance(layers, list) and "sliding_attention" not in layers:
+            continue
+        return window, "sliding_window"
+    return None, ""
+
+
+def _scopes(config: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The config and, for a multimodal one, its text_config: where a language model's sizes are."""
+    text = config.get("text_config")
+    return (config, text) if isinstance(text, dict) else (config,)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
