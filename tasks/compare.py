@@ -9,6 +9,7 @@ conclusive: `contended` says so, with how busy the machine was.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tasks import tracking
@@ -28,11 +29,12 @@ from tasks.store import ArtifactStore
 class ComparedModel:
     spec: PipelineSpec
     target: str
+    file: Path  # the pipelines file that says so, for messages
 
 
 def find_registered_model(specs: PipelinesFile, registered_model: str) -> ComparedModel:
     """The (pipeline, target) whose registered model this is; a name no pipeline owns is a usage error."""
-    owners = [ComparedModel(spec, t.name) for spec in specs.pipelines.values() for t in spec.targets
+    owners = [ComparedModel(spec, t.name, specs.path) for spec in specs.pipelines.values() for t in spec.targets
               if registered_model_name(spec.name, t.name) == registered_model]
     if not owners:
         known = sorted(registered_model_name(s.name, t.name) for s in specs.pipelines.values() for t in s.targets)
@@ -47,6 +49,7 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
     spec, name = owner.spec, registered_model_name(owner.spec.name, owner.target)
     point = {"batch": batch or spec.gate_point["batch"], "seq": seq or spec.gate_point["seq"],
              "past": prefill_past(spec.model, spec.profiles)}
+    _check_inside_profiles(owner, point)
     threads = benchmark_threads(spec.benchmark, spec.target(owner.target).intra_op_threads)
     builds = {}  # labelled a and b, so a version compared with itself (the noise floor) is timed twice
     for label, version in (("a", version_a), ("b", version_b)):
@@ -65,7 +68,8 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
         with LoadWatch(settings.contended_above) as load:
             rounds = measure_rounds([Contender(label, engine_timer(runner, feeds)) for label, runner in runners.items()],
                                     [("a", "b")], warmup=settings.warmup, min_rounds=settings.min_rounds,
-                                    max_seconds=settings.max_seconds, precision=settings.precision)
+                                    max_seconds=settings.max_seconds, precision=settings.precision,
+                                    min_seconds=settings.min_seconds)
     finally:
         for runner in runners.values():
             runner.close()
@@ -76,6 +80,20 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
             "verdict": verdict(ratio, settings.precision, load.as_dict()), "rounds": ratio.rounds,
             "seconds": round(rounds.seconds, 2), "extended": rounds.extended, "method": METHOD,
             "host": load.as_dict()}
+
+
+def _check_inside_profiles(owner: ComparedModel, point: dict[str, int]) -> None:
+    """A shape no profile of the pipeline holds is refused before any engine loads: an engine asked to run
+    outside its profiles fails, or (beyond the model's positions) runs the machine out of memory trying."""
+    spec = owner.spec
+
+    def holds(profile: Any) -> bool:
+        return all(getattr(profile, dim)[0] <= point[dim] <= getattr(profile, dim)[2] for dim in ("batch", "seq"))
+
+    if not any(holds(p) for p in spec.profiles):
+        ranges = "; ".join(f"batch {p.batch[0]}-{p.batch[2]} x seq {p.seq[0]}-{p.seq[2]}" for p in spec.profiles)
+        raise SpecError([f"{owner.file}: compare at batch {point['batch']} x seq {point['seq']}: outside every "
+                         f"profile of pipeline {spec.name} ({ranges}); pick --batch and --seq inside one"])
 
 
 def verdict(ratio: Ratio, precision: float, host: dict[str, Any]) -> str:

@@ -148,6 +148,10 @@ def test_run_promotes_records_notifies_and_reruns_cached(
     assert compared["ci"][0] <= compared["ratio"] <= compared["ci"][1] and compared["rounds"] >= 1
     assert main(["compare", "-f", str(path), f"{name}-cpu", version, "999"]) == 2
     assert f"{name}-cpu has no version '999'" in capsys.readouterr().err
+    assert main(["compare", "-f", str(path), "--artifacts", artifacts, f"{name}-cpu", version, version,
+                 "--batch", "64", "--seq", "4096"]) == 2, "a shape no profile holds is refused before engines load"
+    refused = capsys.readouterr().err
+    assert str(path) in refused and "batch 64 x seq 4096: outside every profile" in refused
 
 
 def test_rejected_and_failed_candidates_are_recorded_never_promoted(
