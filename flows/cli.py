@@ -344,13 +344,17 @@ def _reason(summary: dict[str, Any], specs: Any) -> str:
 
 
 def _version(summary: dict[str, Any], specs: Any) -> str:
-    """The registry version, marked with the pipeline's alias (e.g. `v2 @champion`) when it holds it."""
-    if not summary.get("model_version"):
+    """The registry version, marked with the pipeline's alias (e.g. `v2 @champion`) when it holds it; a
+    candidate not registered this run (pending, or rejected today) whose engine is the champion shows the
+    champion's version."""
+    decision = summary.get("decision") or {}
+    holds = decision.get("holds_alias")
+    version = summary.get("model_version") or (decision.get("champion") if holds else None)
+    if not version:
         return "-"
     spec = specs.pipelines.get(summary["pipeline"])
-    holds = (summary.get("decision") or {}).get("holds_alias")
     alias = spec.promotion.alias if spec is not None else "alias"
-    return f"v{summary['model_version']}" + (f" @{alias}" if holds else "")
+    return f"v{version}" + (f" @{alias}" if holds else "")
 
 
 def _point(summary: dict[str, Any], specs: Any) -> str:
@@ -400,7 +404,8 @@ def _doubts(summary: dict[str, Any]) -> list[str]:
 def summary_table(summaries: list[dict[str, Any]], specs: Any) -> str:
     """The table `smelter run` prints last: status, registry version, key metric and the reason."""
     rows = [("candidate", "status", "version", "key metric", "reason")]
-    rows += [(s["candidate"], s["status"], _version(s, specs), _key_metric(s, specs), _reason(s, specs))
+    rows += [(s["candidate"], s["status"], _version(s, specs), _key_metric(s, specs),
+              " ".join(_reason(s, specs).split()))  # one line a row, whatever a library's message held
              for s in summaries]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4]

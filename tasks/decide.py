@@ -138,11 +138,12 @@ def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion
                    if champion and "build" in o.stages and same_engine(champion, o.stages["build"])), None)
     if pending and holder in pending:
         holder.decision = Decision(holder.decision.reason + f" (champion v{champion.version} keeps the alias)",
-                                   holds_alias=True)
+                                   holds_alias=True, champion=champion.version)
     for outcome in outcomes:
         if not outcome.passed_gates and outcome not in pending:
             kept = " (still holds the alias: no passing candidate can replace it)" if outcome is holder and not passing else ""
-            outcome.decision = Decision(_outside_reason(outcome) + kept, holds_alias=bool(kept))
+            outcome.decision = Decision(_outside_reason(outcome) + kept, holds_alias=bool(kept),
+                                        champion=champion.version if kept else None)
     if not passing:
         return
     busy = next((share for o in outcomes if (share := busy_share(o)) is not None), None)

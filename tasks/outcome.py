@@ -53,7 +53,7 @@ class Decision:
 
     def as_dict(self) -> dict[str, Any]:
         return {"reason": self.reason, "take_alias": self.take_alias, "holds_alias": self.holds_alias,
-                "vs_champion": self.vs_champion}
+                "vs_champion": self.vs_champion, "champion": self.champion}
 
 
 @dataclass

@@ -50,3 +50,28 @@ def test_a_measurement_on_a_busy_machine_or_too_wide_to_tell_is_flagged(pipeline
     assert "[inconclusive]" in unsure and "[busy machine]" not in unsure
     assert "[" not in quiet
     assert "[inconclusive]" not in slower, "an interval wholly below 1 tells, however wide"
+
+
+def test_a_champion_judged_pending_or_failing_today_shows_the_version_that_keeps_the_alias(pipeline_factory,
+                                                                                          tiny_bert_dir):
+    specs = load(pipeline_factory(tiny_bert_dir, "feature-extraction", name="enc"))
+    pending, rejected, other = summary_table([
+        _summary("enc/fp32/cpu", "pending", decision={
+            "reason": "pending: machine busy (champion v1 keeps the alias)", "holds_alias": True, "champion": "1"}),
+        _summary("enc/int8/cpu", "rejected", decision={
+            "reason": "p99_ms 61 > 50 (still holds the alias: no passing candidate can replace it)",
+            "holds_alias": True, "champion": "4"}),
+        _summary("enc/fp16/cpu", "pending", decision={"reason": "pending: machine busy", "holds_alias": False,
+                                                      "champion": "1"}),
+    ], specs).splitlines()[1:]
+    assert " v1 @champion " in pending, "the pending candidate is the champion's engine: its version and alias"
+    assert " v4 @champion " in rejected
+    assert " - " in other and "@champion" not in other, "a candidate that is not the champion has no version yet"
+
+
+def test_a_reason_spanning_lines_keeps_its_row_on_one_line(pipeline_factory, tiny_bert_dir):
+    specs = load(pipeline_factory(tiny_bert_dir, "feature-extraction", name="enc"))
+    error = ("accuracy failed: InvalidArgument: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions\n"
+             "for input: past_key_values.1.key for the following indices\n index: 1 Got: 2 Expected: 1\n")
+    rows = summary_table([_summary("enc/fp32/cpu", "failed", error=error)], specs).splitlines()
+    assert len(rows) == 2 and rows[1].endswith("index: 1 Got: 2 Expected: 1")
