@@ -276,3 +276,32 @@ def test_calibration_with_its_kv_cache_beyond_the_positions_is_refused(tmp_path:
     _, ok = validate(tmp_path, model_dir, "text-generation-with-past", precisions=["fp32", "int8"],
                      calibration=calibration | {"seq_len": 16})
     assert ok == ""
+
+
+# --- a regression head's blind gates
+
+
+def test_a_regression_head_is_not_gated_on_what_one_output_cannot_show(tmp_path: Path,
+                                                                      bpe_tokenizer: PreTrainedTokenizerFast) -> None:
+    config = transformers.BertConfig(vocab_size=len(bpe_tokenizer), num_labels=1, max_position_embeddings=64,
+                                     **SIZES)
+    model_dir = save_model(tmp_path / "regressor", "BertForSequenceClassification", config, bpe_tokenizer)
+    path, message = validate(tmp_path, model_dir, "text-classification",
+                             accuracy={"gates": {"label_agreement": {"min": 0.9}, "max_abs_error": {"max": 0.1}}})
+    refused(message, path, "accuracy.gates.label_agreement", "one label (a regression head)",
+            "expected max_abs_error")
+    assert "max_abs_error is" not in message
+    _, ok = validate(tmp_path, model_dir, "text-classification", accuracy={"gates": {"max_abs_error": {"max": 0.1}}})
+    assert ok == ""
+
+
+def test_a_falcon_whose_cache_optimum_cannot_export_is_refused_with_past_only(tmp_path: Path,
+                                                                            bpe_tokenizer: PreTrainedTokenizerFast) -> None:
+    config = transformers.FalconConfig(vocab_size=len(bpe_tokenizer), hidden_size=32, num_hidden_layers=1,
+                                       num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True)
+    model_dir = save_model(tmp_path / "falcon", "FalconForCausalLM", config, bpe_tokenizer)
+    path, message = validate(tmp_path, model_dir, "text-generation-with-past")
+    refused(message, path, "model.task", "num_kv_heads 2 < num_attention_heads 4",
+            "expected task text-generation (no KV cache)")
+    _, ok = validate(tmp_path, model_dir, "text-generation")
+    assert ok == ""

@@ -338,6 +338,8 @@ def config_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> 
         return [_encoder_decoder_problem(spec, config, source)]
     problems = _task_problems(spec, config, source)
     problems += _head_problems(spec, config, source)
+    problems += _single_output_gate_problems(spec, config, source)
+    problems += _falcon_cache_problems(spec, config, source)
     problems += _fp8_problems(spec, config, source)
     problems += _length_problems(spec, config, source)
     return problems
@@ -397,6 +399,35 @@ def _head_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> l
     return [(("model", "task"), f"{source} has architectures {clip(', '.join(names))}, a checkpoint without "
                                 f"{head}; {spec.model.task} needs one (its weights would be random): use the "
                                 "checkpoint fine-tuned for the task, or a task this checkpoint has a head for")]
+
+
+# Gates that say nothing of a classifier with one output (a regression head): argmax of one value always
+# agrees, and the cosine of two single values only compares their signs.
+SINGLE_OUTPUT_BLIND_GATES = ("label_agreement", "cosine_mean", "cosine_min")
+
+
+def _single_output_gate_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
+    """A regression head (one label) gated on what cannot tell its engines apart passes any engine."""
+    labels = config.get("id2label")
+    if spec.model.task != "text-classification" or not isinstance(labels, dict) or len(labels) != 1:
+        return []
+    return [(("accuracy", "gates", gate), f"{source} has one label (a regression head): {gate} is the same for "
+                                          "any engine with one output; expected max_abs_error, which compares "
+                                          "the values")
+            for gate in spec.accuracy.gates if gate in SINGLE_OUTPUT_BLIND_GATES]
+
+
+def _falcon_cache_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
+    """Falcon's new decoder architecture with fewer KV heads than heads: transformers caches a key per head while
+    Optimum's export builds a cache of num_kv_heads, so the export with a KV cache fails (transformers 4.57,
+    Optimum 2.1)."""
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_kv_heads")
+    if (config.get("model_type") != "falcon" or not spec.model.has_past or not config.get("new_decoder_architecture")
+            or not (_positive_int(heads) and _positive_int(kv_heads)) or kv_heads >= heads):
+        return []
+    return [(("model", "task"), f"{source} is a Falcon with new_decoder_architecture and num_kv_heads {kv_heads} < "
+                                f"num_attention_heads {heads}: Optimum's ONNX export with a KV cache fails for it; "
+                                "expected task text-generation (no KV cache)")]
 
 
 def _length_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
