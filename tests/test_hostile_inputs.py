@@ -511,6 +511,9 @@ FILE_CASES = {
                               "seq must satisfy min <= opt <= max"),
     "benchmark-outside-profiles": Case(enc("seq_lens: [16]", "seq_lens: [64]"), 11,
                                        "pipelines.enc.benchmark.seq_lens.0", "64 is outside every profile's seq range"),
+    "default-outside-profiles": Case(enc("seq_lens: [16], ", ""), 11, "pipelines.enc.benchmark.seq_lens.0",
+                                     "128 is outside every profile's seq range (not written in the file: "
+                                     "smelter's default; set it to change it)"),
     "registered-model-collision": Case(ENC.replace("  enc:", "  enc-a:") + ENC.split("pipelines:\n")[1].replace(
         "name: cpu", "name: a-cpu"), 19, "pipelines.enc.targets.0.name",
         "registers MLflow model 'enc-a-cpu', which pipeline enc-a's target cpu registers too"),

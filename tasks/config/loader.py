@@ -131,13 +131,18 @@ class _Report:
     def __init__(self, file: Path, doc: YamlDocument | None):
         self.file, self.doc = file, doc
 
-    def describe(self, loc: tuple[Any, ...], message: str) -> str:
+    def describe(self, loc: tuple[Any, ...], message: str, *, settled: bool = False) -> str:
+        """`settled`: the problem is with a value the validated pipeline holds, which, when the file writes it
+        neither in the pipeline nor under defaults:, is smelter's own default (the message then says so)."""
         line, found = self.doc.line(loc) if self.doc else (None, False)
+        from_defaults = False
         if not found and loc[:1] == ("pipelines",) and len(loc) > 2 and self.doc:
             inherited, from_defaults = self.doc.line(("defaults", *loc[2:]))
             line = inherited if from_defaults else line
         where = f"{self.file}:{line}" if line else str(self.file)
-        return _redact_urls(f"{where}: {key_path(list(loc))}: {message}")
+        unwritten = settled and self.doc is not None and not found and not from_defaults and len(loc) > 2
+        note = " (not written in the file: smelter's default; set it to change it)" if unwritten else ""
+        return _redact_urls(f"{where}: {key_path(list(loc))}: {message}{note}")
 
     def pydantic(self, prefix: tuple, err: ValidationError, data: Any) -> list[str]:
         return [self.describe(*_pydantic_problem(prefix, e, data)) for e in err.errors()]
@@ -293,8 +298,8 @@ def _check_pipeline(report: _Report, name: str, body: Any, defaults: dict, base_
         return report.pydantic(where, e, merged), [], None
     checks = preflight.check(spec, allow_outside_paths=allow_outside_paths, check_env=check_env)
     problems = _semantic_problems(spec) + checks.problems
-    return ([report.describe(where + loc, msg) for loc, msg in problems],
-            [report.describe(where + loc, msg) for loc, msg in checks.warnings], spec)
+    return ([report.describe(where + loc, msg, settled=True) for loc, msg in problems],
+            [report.describe(where + loc, msg, settled=True) for loc, msg in checks.warnings], spec)
 
 
 def _bounded(lines: list[str]) -> list[str]:
