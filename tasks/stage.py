@@ -14,6 +14,7 @@ import contextvars
 import functools
 import hashlib
 import importlib.util
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, ContextManager
@@ -99,14 +100,18 @@ def run_stage(work: Work, store: ArtifactStore, force: bool = False) -> StageRes
 
     A damaged output is moved aside and rebuilt; the result's `repaired` says so. Producing holds
     the key's lock, and looks up again once it has it: the run that held it may have published.
+    `force` ignores an output published before it asked, not one another run published while it
+    waited for the lock: rebuilding that replaced a directory the other run was reading.
     """
+    asked = time.time()
     published, repaired = store.check(work.pipeline, work.stage, work.key)
     if published and not force and work.reusable(published):
         return published
     with _locked(store, work):
         published, repaired_now = store.check(work.pipeline, work.stage, work.key)
         repaired = repaired or repaired_now
-        if published and not force and work.reusable(published):
+        fresh = published is not None and published.manifest.get("created_unix", 0) >= round(asked, 3)
+        if published and (fresh or not force) and work.reusable(published):
             return replace(published, repaired=repaired)
         try:
             with store.writing(work.pipeline, work.stage, work.key, inputs=work.inputs, config=work.config,

@@ -81,6 +81,7 @@ BUILDER = textwrap.dedent("""
     from tasks.store import ArtifactStore
 
     root, log, go, use_prefect = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "prefect"
+    force = sys.argv[4] == "force"
 
     def produce(w, _published):
         with open(log, "a") as f:
@@ -95,7 +96,7 @@ BUILDER = textwrap.dedent("""
         shared_key_lock.set(global_key_lock)
     while not go.exists():
         time.sleep(0.01)
-    result = run_stage(Work("p", "build", {"config": "same"}, ("tasks.stage",), produce), ArtifactStore(root))
+    result = run_stage(Work("p", "build", {"config": "same"}, ("tasks.stage",), produce), ArtifactStore(root), force)
     print(json.dumps({"key": result.key, "cached": result.cached, "engine": result.file("engine.bin").read_text()}))
 """)
 
@@ -119,6 +120,20 @@ def test_two_processes_building_one_key_build_it_once(tmp_path: Path) -> None:
     results, events = race([tmp_path / "store"] * 2, tmp_path, "file")
     assert [e["event"] for e in events] == ["start", "end"], "one process built, the other waited and reused it"
     assert results[0]["key"] == results[1]["key"]
+    assert results[0]["engine"] == results[1]["engine"]
+    assert sorted(r["cached"] for r in results) == [False, True]
+
+
+def test_two_forced_runs_at_once_build_once_and_neither_replaces_what_the_other_reads(tmp_path: Path) -> None:
+    """`--force` ignores what was published before it asked; an output another run published while this one
+    waited for the key is fresh. Rebuilding it again replaced the directory the first run was reading (its
+    engine check then failed: "the cached engine changed since it was built")."""
+    store, before, now = tmp_path / "store", tmp_path / "before", tmp_path / "now"
+    before.mkdir()
+    now.mkdir()
+    race([store], before, "file")  # published before either forced run asked
+    results, events = race([store] * 2, now, "force")
+    assert [e["event"] for e in events] == ["start", "end"], "one forced run rebuilt, the other reused that build"
     assert results[0]["engine"] == results[1]["engine"]
     assert sorted(r["cached"] for r in results) == [False, True]
 
