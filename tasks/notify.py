@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -341,4 +342,15 @@ def retry_pending(specs: PipelineSpec | Iterable[PipelineSpec], *, backoff_s: fl
         for target in spec.targets:
             name = registered_model_name(spec.name, target.name)
             results += [asdict(d) for d in settle_model(spec, name, backoff_s=backoff_s)]
+    _show_outboxes(results)
     return results
+
+
+def _show_outboxes(results: list[dict]) -> None:
+    """The versions' readable outbox (status tag, JSON artifact) after a retry: only a run refreshed them, so
+    a delivered event still read "pending 1" there until the next run."""
+    for name, version in sorted({(r["registered_model"], str(r["version"])) for r in results}):
+        try:
+            tracking.show_outbox(name, version)
+        except Exception as e:  # noqa: BLE001 - the outbox itself is intact; only its display is stale
+            print(f"warning: {name} v{version}: outbox status not shown: {type(e).__name__}: {e}", file=sys.stderr)

@@ -187,9 +187,14 @@ def test_a_receiver_that_is_down_loses_nothing(
     code, summary = run_json(capsys, "-f", str(path), "--precision", "fp32", "--artifacts", str(tmp_path / "a"))
     assert code == 0 and by_name(summary)[f"{name}/fp32/cpu"]["status"] == "promoted"
     assert webhook_receiver.events == [] and webhook_receiver.attempts >= 1
+    version = by_name(summary)[f"{name}/fp32/cpu"]["model_version"]
+    shown = MlflowClient().get_model_version(f"{name}-cpu", version).tags["smelter.events.status"]
+    assert "pending 1" in shown
     webhook_receiver.down = False
     assert main(["notify", "--retry", "-f", str(path)]) == 0
     assert [e["candidate"] for e in webhook_receiver.events] == [f"{name}/fp32/cpu"]
+    shown = MlflowClient().get_model_version(f"{name}-cpu", version).tags["smelter.events.status"]
+    assert shown == "1 event(s): delivered 1", "the readable outbox follows a retry, not only the next run"
     assert main(["notify", "--retry", "-f", str(path)]) == 0
     assert len(webhook_receiver.events) == 1
 
