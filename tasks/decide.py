@@ -99,7 +99,7 @@ def _verdict(spec: PipelineSpec, comparison: dict[str, Any]) -> tuple[bool, str]
         return False, f"slower: {shown} (a significant regression: the interval is below 1)"
     if not comparison["conclusive"]:
         half = (high - low) / (2 * ratio)
-        return False, (f"inconclusive: {shown}, interval ±{half:.0%} is wider than benchmark.precision "
+        return False, (f"inconclusive: {shown}, interval ±{half:.1%} is wider than benchmark.precision "
                        f"±{spec.benchmark.precision:.0%}")
     if low > 1 and ratio >= needed:
         return True, f"faster: {shown} (needs ≥ {needed:.3g}x with the interval above 1)"
