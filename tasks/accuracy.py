@@ -231,8 +231,8 @@ def three_way(config: AccuracyConfig, build_result: StageResult, store: Artifact
     exported = precision and store.lookup(pipeline, "export", precision.manifest["inputs"]["export"])
     if not exported:
         raise FileNotFoundError(f"the ONNX graphs engine {build_result.key} was built from are gone from the store")
-    feeds = {point: point_feeds(config.source.model, tokenizer, reference, texts, shape, engine.input_names)
-             for point, shape in config.profiles[0].shapes().items()}
+    feeds = {point: point_feeds(config.source.model, tokenizer, reference, texts, shape, engine.input_names,
+                                real_tokens_only=True) for point, shape in config.profiles[0].shapes().items()}
     return compare_three_way(exported.file("model.onnx"), precision.file("model.onnx"), engine, feeds,
                              config.validation.atol, config.validation.rtol)
 
@@ -247,7 +247,8 @@ def check_validity(config: AccuracyConfig, runner: Runner, tokenizer: Any, refer
     for index, profile in enumerate(config.profiles):
         for point, shape in profile.shapes().items():
             where = f"profile {index} {point} {shape}"
-            feeds = point_feeds(model, tokenizer, reference, texts, shape, runner.input_names)
+            feeds = point_feeds(model, tokenizer, reference, texts, shape, runner.input_names,
+                                real_tokens_only=True)  # every position of the point holds a real token
             try:
                 outputs = runner.infer(feeds)
             except Exception as e:  # an engine that cannot run at a profile point is invalid, not a crash
