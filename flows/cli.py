@@ -1,8 +1,8 @@
 """`smelter`: run, plan, validate, notify and deploy from the command line.
 
 Exit codes: 0 every stage ran (a candidate a gate rejected is a result, not an error);
-1 a stage failed; 2 an invalid pipelines.yaml, bad usage or an unusable store or server;
-130 / 143 stopped by Ctrl-C / SIGTERM.
+1 a stage failed, or a server stopped answering mid-run; 2 an invalid pipelines.yaml, bad usage or an
+unusable store or server; 130 / 143 stopped by Ctrl-C / SIGTERM (also when the signal's exception was lost).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -21,6 +22,8 @@ import threading
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from tasks import stop_signals
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # what a shell reports for them
@@ -231,31 +234,35 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
     # Libraries' prints (MLflow creating its tables, import-time warnings, Prefect's notices) go to stderr
     # with --verbose, else to the run's log file; stdout stays the summary's. The servers are checked before
     # the store gets its log dir (a refused run leaves nothing there), their noise kept until it has one.
-    checks_log = Path(tempfile.gettempdir()) / "service-checks.log"
+    checks_log = Path(tempfile.gettempdir()) / f"service-checks-{os.getpid()}.log"
     with contextlib.redirect_stdout(sys.stderr) if args.verbose else progress.captured_output(checks_log):
         _check_services(mlflow=True, prefect=True)
-    log_path = Path(args.artifacts) / "_logs" / f"run-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.log"
     try:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        if checks_log.exists():
-            shutil.move(checks_log, log_path)
+        log_path = _new_log_file(Path(args.artifacts) / "_logs")
+        _append_and_remove(checks_log, log_path)
     except OSError as e:
         raise SpecError([f"{args.file}: --artifacts {args.artifacts}: cannot keep the run's log in "
-                         f"{log_path.parent}: {e.strerror}"]) from e
+                         f"{Path(args.artifacts) / '_logs'}: {e.strerror}"]) from e
     quieted = contextlib.redirect_stdout(sys.stderr) if args.verbose else progress.captured_output(log_path)
-    with quieted:
-        from flows.nightly import nightly_flow
+    try:
+        with quieted:
+            from flows.nightly import nightly_flow
 
-        for note in _warnings(_selected(specs, args)):
-            progress.message(note)
-        progress.message(f"smelter: {len(selected)} candidates in {len(pipelines)} pipelines"
-                         + ("" if args.verbose else f"; library output in {log_path}"))
-        with server.serving():
-            summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines,
-                                     precisions=args.precision or None, targets=args.target or None,
-                                     force=args.force, artifacts=args.artifacts,
-                                     allow_outside_paths=args.allow_outside_paths)
-        links = _run_links(summaries)
+            for note in _warnings(_selected(specs, args)):
+                progress.message(note)
+            progress.message(f"smelter: {len(selected)} candidates in {len(pipelines)} pipelines"
+                             + ("" if args.verbose else f"; library output in {log_path}"))
+            with server.serving():
+                summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines,
+                                         precisions=args.precision or None, targets=args.target or None,
+                                         force=args.force, artifacts=args.artifacts,
+                                         allow_outside_paths=args.allow_outside_paths)
+            links = _run_links(summaries)
+    except Exception as e:
+        stop_signals.raise_if_stopped()
+        progress.stop_if_a_server_was_lost(e)
+        raise
+    stop_signals.raise_if_stopped()  # an interrupt swallowed by a finalizer or a library still ends the run as interrupted
     if not args.verbose:  # Prefect says goodbye to its temporary server at exit, past the capture
         logging.getLogger("prefect").setLevel(logging.WARNING)
     failed = [s for s in summaries if s["status"] == "failed" or s["error"]]
@@ -272,6 +279,30 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
         for line in _last_lines(summaries, specs, links, log_path):
             print(line)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _new_log_file(logs: Path) -> Path:
+    """A log file of this run's own, `run-<UTC time>-<pid>.log`, created here and never an existing one:
+    two runs started in the same second must not share one (or replace the other's)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    stem = f"run-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{os.getpid()}"
+    for attempt in itertools.count():
+        path = logs / (f"{stem}.log" if attempt == 0 else f"{stem}-{attempt}.log")
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
+
+
+def _append_and_remove(source: Path, log_path: Path) -> None:
+    """What the server checks printed, at the head of the run's log."""
+    if not source.exists():
+        return
+    with open(source, "rb") as checks, open(log_path, "ab") as log:
+        shutil.copyfileobj(checks, log)
+    source.unlink()
 
 
 def _run_links(summaries: list[dict[str, Any]]) -> dict[str, str]:
@@ -328,9 +359,11 @@ def pending_events(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _reason(summary: dict[str, Any], specs: Any) -> str:
-    """Why a candidate ended as it did: the promotion decision's reason (with the point its ratio was
-    timed at, the key metric's), else the error or the gates'."""
+    """Why a candidate ended as it did: a failed one's error, else the promotion decision's reason (with the
+    point its ratio was timed at, the key metric's), else the error or the gates'."""
     decision = summary.get("decision") or {}
+    if summary["status"] == "failed" and summary.get("error"):  # not the decision made before it failed
+        return summary["error"]
     if decision.get("reason"):
         at = f" at {_point(summary, specs)}" if decision.get("vs_champion") and _point(summary, specs) else ""
         return str(decision["reason"]) + at
@@ -489,6 +522,8 @@ def cmd_notify(args: argparse.Namespace) -> int:
     results = retry_pending(selected)
     for r in results:
         print(json.dumps(r, default=str))
+    if not results:
+        print("nothing to send: no event of these pipelines' registered models is pending", file=sys.stderr)
     return EXIT_FAILED if any(r.get("status") in ("pending", "failed") for r in results) else EXIT_OK
 
 
@@ -569,35 +604,93 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     # Prefect's temporary server gets 20 s to start by default; a busy 2-core machine needs longer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    _bound_client_retries()
     if args.command not in ("validate", "plan"):
         from tasks import scratch
 
         scratch.activate()  # library temp files in a dir of this process's; a killed run's is removed
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    previous = {signum: signal.signal(signum, _on_stop_signal) for signum in STOP_SIGNALS
+                # a SIGINT the shell ignores (a background job) stays ignored
+                if in_main_thread and signal.getsignal(signum) is not signal.SIG_IGN}
+    stop_signals.received.clear()
+    _unraisable_hooks[:] = [sys.unraisablehook]
+    sys.unraisablehook = _record_swallowed_stop
     try:
         return COMMANDS[args.command](args)
     except SpecError as e:
         for problem in e.problems:
             print(f"error: {problem}", file=sys.stderr)
         return EXIT_INVALID
-    except KeyboardInterrupt:
-        return _stopped("interrupted (Ctrl-C)", EXIT_INTERRUPTED, args.command)
-    except Terminated:
-        return _stopped("terminated (SIGTERM)", EXIT_TERMINATED, args.command)
+    except (KeyboardInterrupt, stop_signals.Terminated):
+        return _stop_code(args.command, caught=sys.exc_info()[1])
+    except Exception as e:
+        if stop_signals.received:  # the interrupt, swallowed, left only a library's error behind
+            return _stop_code(args.command)
+        from tasks.tracking import ServerLost
+
+        if not isinstance(e, ServerLost):
+            raise
+        _quiet_prefect_log_worker()
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = _unraisable_hooks[0]
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-class Terminated(BaseException):
-    """SIGTERM as an exception, so a stopped run unwinds like Ctrl-C: the stage being written drops its
-    temp dir, MLflow runs end KILLED, the temporary Prefect server stops. (Inside a flow Prefect turns
-    SIGTERM into its own TerminationSignal first, then sends it again to this handler.)"""
+# Waits on a server that stopped answering, bounded for this process unless the user set them: MLflow retries
+# a call 7 times over ~4 minutes (120 s timeout each), Prefect 5 times over ~1 minute, and a run makes many.
+# These ride out a restart of a few seconds (MLflow ~30 s a call, Prefect ~7 s) and end a run in tens of seconds.
+CLIENT_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "4", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "2",
+                         "MLFLOW_HTTP_REQUEST_TIMEOUT": "60", "PREFECT_CLIENT_MAX_RETRIES": "2"}
 
 
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated()
+def _bound_client_retries() -> None:
+    """See CLIENT_RETRY_DEFAULTS; a variable the user set is left as it is."""
+    for name, value in CLIENT_RETRY_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def _quiet_prefect_log_worker() -> None:
+    """The Prefect server is gone: its log worker's failed sends at exit would print `--- Error logging to
+    API ---` under the line that already says so."""
+    logging.raiseExceptions = False
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_unraisable_hooks: list[Any] = []  # the hook `_record_swallowed_stop` replaced, which it hands each exception on to
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    """Record the signal, then raise it as an exception. The raise alone can be lost (raised inside a
+    finalizer or a library's `except BaseException`); the record stops the run at its next safe point."""
+    stop_signals.received.append(signum)
+    stop_signals.raise_for(signum)
+
+
+def _record_swallowed_stop(unraisable: Any) -> None:
+    """Python's hook for an exception it ignores (raised in a finalizer): a stop signal's exception there,
+    ours or Prefect's own TerminationSignal (which replaces our SIGTERM handler while a flow runs), is
+    recorded so the run still stops at its next safe point. Then printed as Python prints it."""
+    stop = unraisable.exc_value
+    termination = getattr(sys.modules.get("prefect.exceptions"), "TerminationSignal", stop_signals.Terminated)
+    if isinstance(stop, KeyboardInterrupt):
+        stop_signals.received.append(signal.SIGINT)
+    elif isinstance(stop, (stop_signals.Terminated, termination)):
+        stop_signals.received.append(signal.SIGTERM)
+    (_unraisable_hooks or [sys.__unraisablehook__])[0](unraisable)
+
+
+def _stop_code(command: str, caught: BaseException | None = None) -> int | None:
+    """The exit code and line of a stopped command (the signal received first wins), or None."""
+    signum = stop_signals.received[0] if stop_signals.received else None
+    if signum is None and caught is None:
+        return None
+    if signum == signal.SIGTERM or (signum is None and isinstance(caught, stop_signals.Terminated)):
+        return _stopped("terminated (SIGTERM)", EXIT_TERMINATED, command)
+    return _stopped("interrupted (Ctrl-C)", EXIT_INTERRUPTED, command)
 
 
 def _stopped(how: str, code: int, command: str) -> int:

@@ -81,6 +81,15 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
+def _unanswered(url: str) -> str | None:
+    """Why the Prefect API at `url` does not answer its health check (the error's name), or None."""
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        return type(e).__name__
+    return None
+
+
 def api_problem() -> str | None:
     """Why the Prefect API that PREFECT_API_URL names does not answer, or None (also when none is set:
     then `owned_server` starts one). Asked before any work: Prefect's client would retry for a while,
@@ -90,13 +99,26 @@ def api_problem() -> str | None:
     from tasks.redact import redacted_url
 
     url = PREFECT_API_URL.value()
-    if not url:
-        return None
-    try:
-        httpx.get(f"{url.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S)
-    except (httpx.HTTPError, httpx.InvalidURL) as e:
-        return (f"PREFECT_API_URL {redacted_url(url)}: the Prefect server does not answer ({type(e).__name__}); "
+    why = _unanswered(url) if url else None
+    if why:
+        return (f"PREFECT_API_URL {redacted_url(url)}: the Prefect server does not answer ({why}); "
                 "start it (`prefect server start`), or unset the variable and smelter starts its own")
+    return None
+
+
+def api_lost() -> str | None:
+    """The line that ends a run whose Prefect server stopped answering mid-run, or None (it answers).
+    Asked after a failure, so a dead server is named once instead of each call's retries and traceback."""
+    from prefect.settings import PREFECT_API_URL
+
+    from tasks.redact import redacted_url
+
+    url = PREFECT_API_URL.value()
+    why = _unanswered(url) if url else None
+    if why:
+        return (f"PREFECT_API_URL {redacted_url(url)}: the Prefect server stopped answering mid-run ({why}); "
+                "finished stages are kept: start it again and run again "
+                "(PREFECT_CLIENT_MAX_RETRIES lengthens the wait for a restart)")
     return None
 
 

@@ -25,7 +25,7 @@ from typing import TextIO
 
 from rich.console import Console
 
-from tasks import measure
+from tasks import measure, stop_signals
 from tasks.stats import MIN_ROUNDS
 
 QUIET, NORMAL, VERBOSE = 0, 1, 2
@@ -92,6 +92,7 @@ def _terminal_stream() -> TextIO:
 
 
 def _emit(markup: str, plain: str, *, failure: bool = False) -> None:
+    stop_signals.raise_if_stopped()  # a safe point: an interrupt swallowed where it was raised ends the run
     logger = _run_logger()
     if logger is not None:
         (logger.warning if failure else logger.info)(plain)
@@ -201,6 +202,7 @@ measure.round_observer = benchmark_round
 
 
 def stage_started(label: str, stage: str) -> None:
+    stop_signals.raise_if_stopped()  # a safe point: an interrupt swallowed where it was raised ends the run
     _started[(label, stage)] = time.perf_counter()
     if _level == VERBOSE:
         _emit(f"[cyan]▶[/] {label:<28} {stage:<10} running", f"{label} {stage}: running")
@@ -221,6 +223,32 @@ def stage_failed(label: str, stage: str, error: str) -> None:
     _details.pop((label, stage), None)
     first = error.splitlines()[0] if error else ""
     _emit(f"[red]✘[/] {label:<28} {stage:<10} failed: {first}", f"{label} {stage}: failed: {first}", failure=True)
+    stop_if_a_server_was_lost()
+
+
+def stop_if_a_server_was_lost(error: BaseException | None = None) -> None:
+    """After a failure: when the MLflow server or the Prefect API no longer answers, every later stage and
+    call would wait out its client's retries to fail the same way; end the run now with the one line that
+    says which (`ServerLost`). Costs a health request to each server, only when something failed."""
+    from flows.prefect_server import api_lost
+    from tasks import tracking
+
+    if isinstance(error, tracking.ServerLost):
+        raise error
+    lost = tracking.server_lost()
+    if not lost and (lost := api_lost()):
+        _stop_retrying_prefect()
+    if lost:
+        raise tracking.ServerLost(lost) from error
+
+
+def _stop_retrying_prefect() -> None:
+    """The Prefect API is gone: the flows ending on the way out (each marked Failed through it) fail at once
+    instead of each waiting out PREFECT_CLIENT_MAX_RETRIES again. For this process's current settings only."""
+    from prefect.settings import get_current_settings
+
+    with contextlib.suppress(Exception):  # a Prefect whose settings cannot be changed so: the flows just wait
+        get_current_settings().client.max_retries = 0
 
 
 def candidate_done(label: str, status: str, reasons: list[str]) -> None:

@@ -76,7 +76,10 @@ class CandidateOutcome:
 
     @property
     def reason(self) -> str:
-        """The one line a user reads next to the status: the decision's reason, else what failed."""
+        """The one line a user reads next to the status: a failed candidate's error (not a decision made before
+        it failed), else the decision's reason, else what failed."""
+        if self.status == "failed" and self.error:
+            return self.error
         if self.decision is not None:
             return self.decision.reason
         return self.error or "; ".join(self.gate_reasons)

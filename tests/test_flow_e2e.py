@@ -195,8 +195,10 @@ def test_a_receiver_that_is_down_loses_nothing(
     assert [e["candidate"] for e in webhook_receiver.events] == [f"{name}/fp32/cpu"]
     shown = MlflowClient().get_model_version(f"{name}-cpu", version).tags["smelter.events.status"]
     assert shown == "1 event(s): delivered 1", "the readable outbox follows a retry, not only the next run"
+    capsys.readouterr()
     assert main(["notify", "--retry", "-f", str(path)]) == 0
     assert len(webhook_receiver.events) == 1
+    assert "nothing to send" in capsys.readouterr().err, "a retry with nothing owed says so"
 
 
 def test_decoder_with_kv_cache_end_to_end(

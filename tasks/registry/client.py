@@ -6,7 +6,9 @@ store is checked before any work (`store_problem`), since MLflow itself only fai
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import mlflow
@@ -18,12 +20,61 @@ from tasks.yaml_source import clip
 
 HEALTH_TIMEOUT_S = 5.0
 _initialised: set[str] = set()
+_lost: dict[str, str] = {}  # server URI -> the line naming it, while it does not answer
 
 
 def _client() -> MlflowClient:
-    """A client on a store that is ready for concurrent use (see `init_store`)."""
+    """A client on a store that is ready for concurrent use (see `init_store`), whose calls fail at once
+    once its server is known to be gone (`_Watched`)."""
+    _raise_if_lost()
     init_store()
-    return MlflowClient()
+    client = MlflowClient()
+    return _Watched(client) if tracking_server() else client  # type: ignore[return-value]
+
+
+def _raise_if_lost() -> None:
+    """Once the server was found gone, each call asks its health again (a refused connection answers in a
+    millisecond) instead of waiting out MLflow's retries: a server back up is used again."""
+    uri = tracking_server()
+    if uri in _lost:
+        del _lost[uri]
+        if (line := server_lost()) is not None:
+            raise ServerLost(line)
+
+
+class _Watched:
+    """An MlflowClient on a server: a call that fails other than by the server's own answer (a RestException)
+    asks the server's health; when it does not answer, this call and every later one raise `ServerLost` at
+    once, instead of each waiting out MLflow's retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES) to fail the same way."""
+
+    def __init__(self, client: MlflowClient):
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._client, name)
+        if not callable(found) or name.startswith("_"):
+            return found
+
+        @functools.wraps(found)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            _raise_if_lost()
+            try:
+                return found(*args, **kwargs)
+            except Exception as e:
+                _note_if_lost(e)
+                raise
+        return watched
+
+
+def _note_if_lost(error: Exception) -> None:
+    """Raise `ServerLost` (and remember it) when `error` came from a server that no longer answers."""
+    from mlflow.exceptions import RestException
+
+    if isinstance(error, (RestException, ServerLost)):
+        return
+    line = server_lost()
+    if line:
+        raise ServerLost(line) from error
 
 
 def init_store() -> None:
@@ -84,6 +135,31 @@ def store_problem() -> str | None:
         except httpx.HTTPError as e:
             return (f"MLFLOW_TRACKING_URI {shown}: the MLflow server does not answer ({type(e).__name__}); "
                     "start it, or point the variable at one")
+    return None
+
+
+class ServerLost(Exception):
+    """A server the run depends on stopped answering mid-run: the run ends with this one line, instead of
+    each later call waiting out its retries and failing with its own traceback."""
+
+
+def server_lost() -> str | None:
+    """The line that ends a run whose MLflow server no longer answers, or None (it answers, or there is no
+    server: a local store). Asked after a failure, so a dead server is named once rather than per call."""
+    import httpx
+
+    server = tracking_server()
+    if server is None:
+        return None
+    if server in _lost:
+        return _lost[server]
+    try:
+        httpx.get(f"{server.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError as e:
+        _lost[server] = (f"the MLflow server at {shown_uri(server)} (MLFLOW_TRACKING_URI) stopped answering mid-run "
+                f"({type(e).__name__}); finished stages are kept: start it again and run again "
+                "(MLFLOW_HTTP_REQUEST_MAX_RETRIES lengthens the wait for a restart)")
+        return _lost[server]
     return None
 
 
