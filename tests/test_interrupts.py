@@ -14,12 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
 
 from flows.cli import _append_and_remove, _new_log_file
-from tests.fixtures.cli_runs import (MODEL, REPO, RUN_TIMEOUT_S, CliSetup, cli_setup_own_server, copy_artifacts,
-                                     empty_store, run_statuses)
+from tests.fixtures.cli_runs import (REPO, RUN_TIMEOUT_S, CliSetup, champion_version, cli_setup_own_server,
+                                     copy_artifacts, empty_store, run_statuses)
 
 __all__ = ["cli_setup_own_server"]
 
@@ -45,14 +43,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _alias_version(store_uri: str) -> str | None:
-    client = MlflowClient(tracking_uri=store_uri, registry_uri=store_uri)
-    try:
-        return client.get_model_version_by_alias(MODEL, "champion").version
-    except MlflowException:
-        return None
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("point", "name", "code", "said"), [
     ("accuracy", "INT", 130, "interrupted (Ctrl-C)"),
@@ -74,7 +64,7 @@ def test_a_signal_swallowed_by_a_finalizer_still_stops_the_run_before_promotion(
     assert stopped.returncode == code, f"exit {stopped.returncode}:\n{stopped.stderr[-3000:]}"
     assert said in stopped.stderr and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
     assert "candidate" not in stopped.stdout, "the run printed its table after the signal"
-    assert _alias_version(store) is None, "the run promoted after it was told to stop"
+    assert champion_version(store) is None, "the run promoted after it was told to stop"
     assert "RUNNING" not in run_statuses(store).values()
 
 

@@ -18,11 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
 
-from tests.fixtures.cli_runs import (MODEL, REPO, CliSetup, _prefect_server, cli_setup_own_server, copy_artifacts,
-                                     empty_store)
+from tests.fixtures.cli_runs import (REPO, CliSetup, _prefect_server, champion_version, cli_setup_own_server,
+                                     copy_artifacts, empty_store)
 from tests.fixtures.servers import _mlflow_cli, _stop, _wait_healthy, free_port
 
 pytestmark = pytest.mark.slow
@@ -73,14 +71,6 @@ def _env(setup: CliSetup, store_uri: str) -> dict[str, str]:
     return env | {"MLFLOW_TRACKING_URI": store_uri}
 
 
-def _alias_version(store_uri: str) -> str | None:
-    client = MlflowClient(tracking_uri=store_uri, registry_uri=store_uri)
-    try:
-        return client.get_model_version_by_alias(MODEL, "champion").version
-    except MlflowException:
-        return None
-
-
 def _assert_one_clear_line(stderr: str, names: str) -> None:
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and names in errors[0], stderr[-3000:]
@@ -124,7 +114,7 @@ def test_a_lost_mlflow_server_ends_the_run_with_one_line_naming_it(
     assert code == 1, stderr[-3000:]
     _assert_one_clear_line(stderr, f"MLflow server at {uri}/")  # shown redacted: no path
     database = f"sqlite:///{tmp_path / 'mlflow-server' / 'mlflow.db'}"  # the dead server's registry, read directly
-    assert _alias_version(database) is None, "an alias moved in a run whose MLflow server was gone"
+    assert champion_version(database) is None, "an alias moved in a run whose MLflow server was gone"
 
 
 def test_a_lost_prefect_server_ends_the_run_with_one_line_naming_it(
@@ -147,4 +137,4 @@ def test_a_lost_prefect_server_ends_the_run_with_one_line_naming_it(
     print(f"prefect server killed mid-run: exit {code} after {seconds:.0f} s")
     assert code == 1, stderr[-3000:]
     _assert_one_clear_line(stderr, f"PREFECT_API_URL {server.url.removesuffix('api')}")  # shown redacted
-    assert _alias_version(store) is None, "an alias moved in a run whose Prefect server was gone"
+    assert champion_version(store) is None, "an alias moved in a run whose Prefect server was gone"
