@@ -28,9 +28,10 @@ from pathlib import Path
 
 import httpx
 
+from tasks.server_health import unanswered
+
 PR_SET_PDEATHSIG = 1
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
-HEALTH_TIMEOUT_S = 5.0
 
 
 def _die_with_parent() -> None:
@@ -81,15 +82,6 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def _unanswered(url: str) -> str | None:
-    """Why the Prefect API at `url` does not answer its health check (the error's name), or None."""
-    try:
-        httpx.get(f"{url.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S)
-    except (httpx.HTTPError, httpx.InvalidURL) as e:
-        return type(e).__name__
-    return None
-
-
 def api_problem() -> str | None:
     """Why the Prefect API that PREFECT_API_URL names does not answer, or None (also when none is set:
     then `owned_server` starts one). Asked before any work: Prefect's client would retry for a while,
@@ -99,7 +91,7 @@ def api_problem() -> str | None:
     from tasks.redact import redacted_url
 
     url = PREFECT_API_URL.value()
-    why = _unanswered(url) if url else None
+    why = unanswered(url) if url else None
     if why:
         return (f"PREFECT_API_URL {redacted_url(url)}: the Prefect server does not answer ({why}); "
                 "start it (`prefect server start`), or unset the variable and smelter starts its own")
@@ -114,7 +106,7 @@ def api_lost() -> str | None:
     from tasks.redact import redacted_url
 
     url = PREFECT_API_URL.value()
-    why = _unanswered(url) if url else None
+    why = unanswered(url) if url else None
     if why:
         return (f"PREFECT_API_URL {redacted_url(url)}: the Prefect server stopped answering mid-run ({why}); "
                 "finished stages are kept: start it again and run again "

@@ -16,9 +16,9 @@ from mlflow.tracking import MlflowClient
 
 from tasks import locks
 from tasks.redact import redacted_url
+from tasks.server_health import unanswered
 from tasks.yaml_source import clip
 
-HEALTH_TIMEOUT_S = 5.0
 _initialised: set[str] = set()
 _lost: dict[str, str] = {}  # server URI -> the line naming it, while it does not answer
 
@@ -127,14 +127,9 @@ def store_problem() -> str | None:
         except Exception as e:  # noqa: BLE001 - not a database, or one MLflow cannot migrate, whichever way it says it
             first_line = next(iter(str(e).strip().splitlines()), "")
             return f"MLFLOW_TRACKING_URI {shown}: MLflow cannot open this store ({type(e).__name__}: {clip(first_line)})"
-    if scheme in ("http", "https"):
-        import httpx
-
-        try:
-            httpx.get(f"{uri.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S)
-        except httpx.HTTPError as e:
-            return (f"MLFLOW_TRACKING_URI {shown}: the MLflow server does not answer ({type(e).__name__}); "
-                    "start it, or point the variable at one")
+    if scheme in ("http", "https") and (why := unanswered(uri)):
+        return (f"MLFLOW_TRACKING_URI {shown}: the MLflow server does not answer ({why}); "
+                "start it, or point the variable at one")
     return None
 
 
@@ -146,21 +141,14 @@ class ServerLost(Exception):
 def server_lost() -> str | None:
     """The line that ends a run whose MLflow server no longer answers, or None (it answers, or there is no
     server: a local store). Asked after a failure, so a dead server is named once rather than per call."""
-    import httpx
-
     server = tracking_server()
     if server is None:
         return None
-    if server in _lost:
-        return _lost[server]
-    try:
-        httpx.get(f"{server.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S)
-    except httpx.HTTPError as e:
+    if server not in _lost and (why := unanswered(server)):
         _lost[server] = (f"the MLflow server at {shown_uri(server)} (MLFLOW_TRACKING_URI) stopped answering mid-run "
-                f"({type(e).__name__}); finished stages are kept: start it again and run again "
-                "(MLFLOW_HTTP_REQUEST_MAX_RETRIES lengthens the wait for a restart)")
-        return _lost[server]
-    return None
+                         f"({why}); finished stages are kept: start it again and run again "
+                         "(MLFLOW_HTTP_REQUEST_MAX_RETRIES lengthens the wait for a restart)")
+    return _lost.get(server)
 
 
 def tracking_server() -> str | None:
