@@ -377,13 +377,10 @@ def _summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome], parent
 
 def _show_outboxes(outcomes: list[CandidateOutcome], deliveries: list[dict[str, Any]]) -> None:
     """A readable outbox on every version this run registered or delivered events of."""
-    versions = {(o.model_name, str(o.model_version)) for o in outcomes if o.model_name and o.model_version}
-    versions |= {(d["registered_model"], str(d["version"])) for d in deliveries}
-    for name, version in sorted(versions):
-        try:
-            tracking.show_outbox(name, version)
-        except Exception as e:  # noqa: BLE001 - the outbox itself is intact; only its display is missing
-            progress.message(f"warning: {name} v{version}: outbox status not shown: {type(e).__name__}: {e}")
+    versions = [(o.model_name, o.model_version) for o in outcomes if o.model_name and o.model_version]
+    versions += [(d["registered_model"], d["version"]) for d in deliveries]
+    for warning in notify.show_outboxes(versions):
+        progress.message(warning)
 
 
 def _quiet_libraries() -> None:

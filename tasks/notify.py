@@ -43,12 +43,12 @@ import json
 import logging
 import os
 import re
-import sys
 import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import httpx
 
@@ -342,15 +342,18 @@ def retry_pending(specs: PipelineSpec | Iterable[PipelineSpec], *, backoff_s: fl
         for target in spec.targets:
             name = registered_model_name(spec.name, target.name)
             results += [asdict(d) for d in settle_model(spec, name, backoff_s=backoff_s)]
-    _show_outboxes(results)
+    for warning in show_outboxes((r["registered_model"], r["version"]) for r in results):
+        log.warning(warning)  # only a run refreshed them: a delivered event read "pending 1" until the next
     return results
 
 
-def _show_outboxes(results: list[dict]) -> None:
-    """The versions' readable outbox (status tag, JSON artifact) after a retry: only a run refreshed them, so
-    a delivered event still read "pending 1" there until the next run."""
-    for name, version in sorted({(r["registered_model"], str(r["version"])) for r in results}):
+def show_outboxes(versions: Iterable[tuple[str, Any]]) -> list[str]:
+    """A readable outbox (status tag, JSON artifact) on each (registered model, version); a warning for each one
+    that could not be shown (the outbox itself is intact: only its display is stale)."""
+    warnings = []
+    for name, version in sorted({(name, str(version)) for name, version in versions}):
         try:
             tracking.show_outbox(name, version)
-        except Exception as e:  # noqa: BLE001 - the outbox itself is intact; only its display is stale
-            print(f"warning: {name} v{version}: outbox status not shown: {type(e).__name__}: {e}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            warnings.append(f"warning: {name} v{version}: outbox status not shown: {type(e).__name__}: {e}")
+    return warnings
