@@ -52,12 +52,13 @@ def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = Non
         if not specs.pipelines[name].candidates(precisions, targets):
             continue
         try:
-            summaries += pipeline_flow(file, name, precisions=precisions, targets=targets, force=force,
-                                       artifacts=artifacts, allow_outside_paths=allow_outside_paths, pool=pool)
+            ended = pipeline_flow(file, name, precisions=precisions, targets=targets, force=force,
+                                  artifacts=artifacts, allow_outside_paths=allow_outside_paths, pool=pool)
         except Exception as e:  # noqa: BLE001 - one broken pipeline does not stop the others, a lost server does
             progress.stop_if_a_server_was_lost(e)
-            summaries += _failed_pipeline(specs.pipelines[name], precisions, targets, e)
-            continue
-        if any(s["status"] == "failed" for s in summaries):
-            progress.stop_if_a_server_was_lost()
+            ended = _failed_pipeline(specs.pipelines[name], precisions, targets, e)
+        else:
+            if any(s["status"] == "failed" for s in ended):  # this pipeline's failures, each asked about once
+                progress.stop_if_a_server_was_lost()
+        summaries += ended
     return Completed(message=tally(s["status"] for s in summaries), data=summaries)

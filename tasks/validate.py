@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tasks.error_text import described
 from tasks.inputs import point_feeds, read_texts, reference_outputs
 from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.stage import Work, run_stage
@@ -219,8 +220,8 @@ def _runner_failure(runners: list[BaseRunner], points: dict[str, dict[str, int]]
             try:
                 Comparator.run([runner], data_loader=[feed])
             except Exception as e:
-                return f"{runner.name} failed at {point} shape {shape}: {type(e).__name__}: {e}"
-    return f"a runner failed: {type(error).__name__}: {error}"
+                return f"{runner.name} failed at {point} shape {shape}: {described(e)}"
+    return f"a runner failed: {described(error)}"
 
 
 def _failed_report(points: dict[str, dict[str, int]], failures: list[str]) -> dict[str, Any]:
