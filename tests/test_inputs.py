@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from tasks import spec as spec_module
@@ -13,10 +12,8 @@ from tasks.export import run_export
 from tasks.inputs import decoder_feeds, encoder_feeds, read_texts, reference_outputs
 from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.store import ArtifactStore
-from tests.fixtures.models import write_pipelines
+from tests.fixtures.models import TEXTS, assert_decoder_step_matches_reference, write_pipelines
 
-TEXTS = ["The bakery on the corner opens at six.", "Fog rolled in from the harbor so quickly that the far end "
-         "of the bridge disappeared, and the ferries waited in the bay until noon."]
 BERT_INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -100,13 +97,8 @@ def test_kv_cache_from_the_reference_reproduces_the_full_sequence(llama):
 @pytest.mark.parametrize("batch, seq, past", [(1, 1, 0), (2, 16, 0), (2, 1, 8), (3, 4, 24)])
 def test_onnx_decoder_matches_reference_for_prefill_and_decode(llama, batch, seq, past):
     spec, tokenizer, reference, export = llama
-    session = ort.InferenceSession(str(export.file("model.onnx")), providers=["CPUExecutionProvider"])
-    feeds = decoder_feeds(tokenizer, reference, TEXTS, batch, seq, past, [i.name for i in session.get_inputs()])
-    onnx_out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-    expected = reference_outputs(reference, feeds, spec.model.task)
-    assert set(expected) == set(onnx_out)
-    for name, value in expected.items():
-        np.testing.assert_allclose(onnx_out[name], value, atol=1e-5, rtol=1e-4, err_msg=name)
+    assert_decoder_step_matches_reference(export.file("model.onnx"), tokenizer, reference, spec.model.task,
+                                          batch, seq, past, atol=1e-5, rtol=1e-4)
 
 
 def test_reference_outputs_are_named_like_the_encoder_export(tiny_bert_dir, pipeline_factory):

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 import transformers
@@ -22,14 +21,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from tasks import spec as spec_module
 from tasks.export import run_export
-from tasks.inputs import decoder_feeds, filled_encoder_feeds, reference_outputs
+from tasks.inputs import decoder_feeds, filled_encoder_feeds
 from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.store import ArtifactStore, StageResult
 from tasks.validate import ValidationFailed, feed_shape_problems, run_validate
-from tests.fixtures.models import REPO, write_pipelines
+from tests.fixtures.models import REPO, TEXTS, assert_decoder_step_matches_reference, write_pipelines
 
-TEXTS = ["The bakery on the corner opens at six.", "Fog rolled in from the harbor so quickly that the far end "
-         "of the bridge disappeared, and the ferries waited in the bay until noon."]
 SHORT_TEXTS = "Rain today.\nShe smiled.\nThe bus is late.\nCold tea.\n"
 
 # family -> (config class, model class, config kwargs, kv heads the graph declares)
@@ -95,13 +92,8 @@ def test_onnx_matches_reference_from_names_alone(decoder, batch, seq, past):
     """What the accuracy and benchmark stages do: feeds from the engine's input names, no declared dims."""
     _, spec, _, export = decoder
     tokenizer, reference = load_tokenizer(ModelSource.of(spec)), load_reference(ModelSource.of(spec))
-    session = ort.InferenceSession(str(export.file("model.onnx")), providers=["CPUExecutionProvider"])
-    feeds = decoder_feeds(tokenizer, reference, TEXTS, batch, seq, past, [i.name for i in session.get_inputs()])
-    engine = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-    expected = reference_outputs(reference, feeds, spec.model.task)
-    assert set(expected) == set(engine)
-    for name, value in expected.items():
-        np.testing.assert_allclose(engine[name], value, atol=1e-4, rtol=1e-3, err_msg=name)
+    assert_decoder_step_matches_reference(export.file("model.onnx"), tokenizer, reference, spec.model.task,
+                                          batch, seq, past, atol=1e-4, rtol=1e-3)
 
 
 def test_validation_passes_with_past(decoder):
