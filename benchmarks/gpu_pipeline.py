@@ -503,7 +503,7 @@ def decode_step_section(args: argparse.Namespace, work: Path, ceilings: dict[str
     smelter:bf16, smelter:fp8 and smelter:fp8-head run smelter::decode_linear on bf16 weights, on e4m3
     layer weights, on e4m3 layer and LM-head weights), each against the bytes bound of its own weights,
     with its kernel profile and its top-1 vs fp32 (on the trained model, 16-byte windows of
-    data/eval.txt: at batch 64, and at batch 8, where the weight-streaming kernel runs); then each
+    data/eval.txt: at batch 1 and 8, where the weight-streaming kernels run, and at batch 64); then each
     product alone (`decode_products`)."""
     import copy
 
@@ -549,7 +549,7 @@ def decode_step_section(args: argparse.Namespace, work: Path, ceilings: dict[str
                 for pos in range(3):
                     session.step(token, pos)
                 compile_s = time.perf_counter() - started
-                if b in (8, 64):  # top-1 vs fp32 over all 64 windows, in groups of b
+                if b in (1, 8, 64):  # top-1 vs fp32 over all 64 windows, in groups of b
                     outs: list[torch.Tensor] = []
                     refs: list[torch.Tensor] = []
                     for g in range(0, 64, b):
