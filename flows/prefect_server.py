@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -105,6 +106,8 @@ def api_lost() -> str | None:
 
     from tasks.redact import redacted_url
 
+    if (line := temporary_server_lost()) is not None:
+        return line
     url = PREFECT_API_URL.value()
     why = unanswered(url) if url else None
     if why:
@@ -112,6 +115,25 @@ def api_lost() -> str | None:
                 "finished stages are kept: start it again and run again "
                 "(PREFECT_CLIENT_MAX_RETRIES lengthens the wait for a restart)")
     return None
+
+
+_running: StartedServer | None = None  # the temporary server of this process, from its start to its stop
+
+
+def temporary_server_lost() -> str | None:
+    """The line that ends a run whose own temporary server died mid-run (killed, or out of memory), or
+    None. Asked by the process itself, not through PREFECT_API_URL: the failure that asks may come as the
+    flow ends, after the settings pointing at the server are gone."""
+    server = _running
+    if server is None or server.process.poll() is None:
+        return None
+    code = server.process.returncode
+    try:
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    except ValueError:
+        how = f"killed by signal {-code}"
+    return (f"smelter's temporary Prefect server (pid {server.process.pid}) stopped answering mid-run: {how}; "
+            "finished stages are kept: run again (a lasting server: set PREFECT_API_URL)")
 
 
 class StartedServer:
@@ -173,7 +195,10 @@ class StartedServer:
             try:
                 yield self.url
             finally:
-                _drain()
+                if self.process.poll() is None:
+                    _drain()
+                else:
+                    _drop_queued()
 
     def stop(self) -> None:
         _stop(self.process)
@@ -195,14 +220,16 @@ def owned_server() -> Iterator[StartedServer | ConfiguredServer]:
     Use `with owned_server() as server: ...; with server.serving(): <flows>`."""
     from prefect.settings import PREFECT_API_URL
 
+    global _running
     if PREFECT_API_URL.value():
         yield ConfiguredServer()
         return
-    server = StartedServer(float(os.environ.get(STARTUP_TIMEOUT_ENV, "120")))
+    server = _running = StartedServer(float(os.environ.get(STARTUP_TIMEOUT_ENV, "120")))
     try:
         yield server
     finally:
         server.stop()
+        _running = None
 
 
 def _drain() -> None:
@@ -213,3 +240,19 @@ def _drain() -> None:
     for worker in (APILogWorker, EventsWorker):
         with contextlib.suppress(Exception):
             worker.drain_all(timeout=10)
+
+
+def _drop_queued() -> None:
+    """The server is dead: the logs and events queued for it can never be sent. Drop them, so that neither
+    the run's end nor Python's exit waits out each one's retries (and logs about it after the run's log
+    file is closed)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    with contextlib.suppress(Exception):  # Prefect's internals: a version without them just waits
+        instances = {id(i): i for worker in (APILogWorker, EventsWorker) for i in list(worker._instances.values())}
+        for instance in instances.values():
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    instance._queue.get_nowait()
+                    instance._queue.task_done()

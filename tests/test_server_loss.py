@@ -1,4 +1,5 @@
-"""`smelter run` whose MLflow server or lasting Prefect server is killed mid-run, for real.
+"""`smelter run` whose MLflow server, lasting Prefect server or own temporary Prefect server is killed
+mid-run, for real.
 
 What the user relies on: the run ends on its own in a bounded time (not after every call's retries), with
 one line naming the server that stopped answering, no traceback, exit 1 (a failed run), and no alias
@@ -137,4 +138,44 @@ def test_a_lost_prefect_server_ends_the_run_with_one_line_naming_it(
     print(f"prefect server killed mid-run: exit {code} after {seconds:.0f} s")
     assert code == 1, stderr[-3000:]
     _assert_one_clear_line(stderr, f"PREFECT_API_URL {server.url.removesuffix('api')}")  # shown redacted
+    assert champion_version(store) is None, "an alias moved in a run whose Prefect server was gone"
+
+
+def _child_running(parent: int, text: str) -> int | None:
+    """The pid of a child process of `parent` whose command line holds `text`, or None."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and text in command:
+            return int(entry.name)
+    return None
+
+
+def test_a_lost_temporary_prefect_server_ends_the_run_with_one_line_naming_it(
+        cli_setup_own_server: CliSetup, tmp_path: Path) -> None:
+    """No PREFECT_API_URL: smelter's own temporary server, killed (as the out-of-memory killer would) while
+    the run uses it. The failure may first show as the flow ends, after the settings naming that server
+    are gone: the run still names it, and the logs queued for it do not hold the exit."""
+    setup = cli_setup_own_server
+    store = empty_store(setup, tmp_path / "store")
+    artifacts = copy_artifacts(setup, tmp_path / "artifacts")
+    home = tmp_path / "prefect-home"
+    shutil.copytree(setup.env["PREFECT_HOME"], home)  # a migrated database: a quick start
+    env = {k: v for k, v in _env(setup, store).items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(home)}
+    run = StartedRun(setup, artifacts, env)
+    run.wait_for_line("export")
+    server = _child_running(run.process.pid, "prefect.server.api.server:create_app")
+    assert server is not None, "no temporary Prefect server under the run"
+    os.kill(server, signal.SIGKILL)
+
+    code, stderr, seconds = run.wait()
+    print(f"temporary prefect server killed mid-run: exit {code} after {seconds:.0f} s")
+    assert code == 1, stderr[-3000:]
+    _assert_one_clear_line(stderr, f"temporary Prefect server (pid {server})")
+    assert "killed by SIGKILL" in stderr and "Logging error" not in stderr, stderr[-3000:]
     assert champion_version(store) is None, "an alias moved in a run whose Prefect server was gone"
