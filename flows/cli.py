@@ -36,8 +36,8 @@ def _parser() -> argparse.ArgumentParser:
 
     def with_file(p: argparse.ArgumentParser, *, select: bool = True) -> argparse.ArgumentParser:
         p.add_argument("-f", "--file", default=DEFAULT_FILE, help="pipelines file (default: %(default)s)")
-        p.add_argument("--artifacts", default=os.environ.get("SMELTER_ARTIFACTS", "artifacts"),
-                       help="artifact store root (default: %(default)s)")
+        p.add_argument("--artifacts", help="artifact store root (default: $SMELTER_ARTIFACTS, else artifacts/ "
+                                           "beside the pipelines file)")
         p.add_argument("--allow-outside-paths", action="store_true",
                        help="accept data files outside the pipelines file's directory")
         if select:
@@ -102,6 +102,21 @@ def _parser() -> argparse.ArgumentParser:
     capacity.add_argument("--gpus-per-host", type=int, help="also answer in hosts of this many GPUs")
     capacity.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
+
+
+def _stores_beside_the_file(args: argparse.Namespace) -> None:
+    """The artifact store and the MLflow store live beside the pipelines file, as its model and data paths
+    do, whatever the working directory: a run started from elsewhere must find the same builds and the same
+    registry, not start empty ones and crown a second champion. --artifacts, $SMELTER_ARTIFACTS and
+    MLFLOW_TRACKING_URI, when given, keep their meaning."""
+    if not hasattr(args, "artifacts"):
+        return
+    home = Path(args.file or ".").resolve().parent
+    here = home == Path.cwd().resolve()  # the usual case: paths stay as short as the user wrote them
+    if args.artifacts is None:
+        args.artifacts = os.environ.get("SMELTER_ARTIFACTS", "artifacts" if here else str(home / "artifacts"))
+    if not here and not os.environ.get("MLFLOW_TRACKING_URI"):
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{home / 'mlflow.db'}"
 
 
 def _load(args: argparse.Namespace, *, check_env: bool = True) -> Any:
@@ -247,16 +262,17 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
     try:
         with quieted:
             from flows.nightly import nightly_flow
+            from flows.pipeline import flow_summaries
 
             for note in _warnings(_selected(specs, args)):
                 progress.message(note)
             progress.message(f"smelter: {len(selected)} candidates in {len(pipelines)} pipelines"
                              + ("" if args.verbose else f"; library output in {log_path}"))
             with server.serving():
-                summaries = nightly_flow(file=str(Path(args.file)), pipelines=pipelines,
-                                         precisions=args.precision or None, targets=args.target or None,
-                                         force=args.force, artifacts=args.artifacts,
-                                         allow_outside_paths=args.allow_outside_paths)
+                summaries = flow_summaries(nightly_flow(
+                    file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
+                    targets=args.target or None, force=args.force, artifacts=args.artifacts,
+                    allow_outside_paths=args.allow_outside_paths, return_state=True))
             links = _run_links(summaries)
     except Exception as e:
         stop_signals.raise_if_stopped()
@@ -491,6 +507,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                 raise SpecError([f"{args.file}: capacity {asked}: no pipeline and target of this file match; "
                                  f"known: {', '.join(sorted(registered_model_name(s.name, t.name) for s in specs.pipelines.values() for t in s.targets))}"])
             spec, target = owners[0]
+            if not spec.model.is_decoder:
+                raise SpecError([f"{args.file}: capacity {args.registered_model or args.profiles_of}: pipeline "
+                                 f"{spec.name} builds a {spec.model.task} model; a capacity plan needs a decoder's "
+                                 "measured prefill and decode steps (model.task text-generation or "
+                                 "text-generation-with-past)"])
             limits = capacity.limits_from_profiles(spec.profiles)
         if args.registered_model:
             from tasks import tracking
@@ -551,6 +572,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     specs = _load(args, check_env=not (args.pools or args.prefect_yaml))  # the workers hold the secrets
     plans = deploy.plan(specs, args.file, args.artifacts, fan_out=bool(args.pools or args.prefect_yaml))
     if not args.prefect_yaml:
+        _need_a_lasting_prefect_server(args.file)
         _check_services(prefect=True)
     if args.prefect_yaml:
         try:
@@ -578,6 +600,20 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _need_a_lasting_prefect_server(file: str) -> None:
+    """Deployments live in a Prefect server, and its scheduler makes the nightly runs. Without
+    PREFECT_API_URL they would go to a temporary server that has no scheduler and that no worker or
+    `prefect deployment run` can reach: served or registered, nothing would ever run."""
+    from prefect.settings import PREFECT_API_URL
+
+    from tasks.spec import SpecError
+
+    if not PREFECT_API_URL.value():
+        raise SpecError([f"{file}: deploy needs a lasting Prefect server (PREFECT_API_URL is not set): its scheduler "
+                         "starts the nightly runs, and workers and `prefect deployment run` reach it; start one with "
+                         "`prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api (docs/fleet.md)"])
+
+
 def _write_whole(path: Path, text: str) -> None:
     """Write `text` to `path` at once (temp file + rename): an interrupted write leaves the old file."""
     from tasks.whole_file import write_whole
@@ -599,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # argparse has printed the usage and why
         return e.code if isinstance(e.code, int) else EXIT_INVALID
+    _stores_beside_the_file(args)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # and the client's too: on a terminal Prefect's first import prints a usage-data notice before any capture
     os.environ.setdefault("DO_NOT_TRACK", "1")

@@ -6,10 +6,10 @@ from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
-from prefect.states import Completed, State
+from prefect.states import State
 
 from flows import progress
-from flows.pipeline import pipeline_flow
+from flows.pipeline import flow_end, flow_summaries, pipeline_flow
 from tasks import notify
 from tasks.outcome import CandidateOutcome, tally
 from tasks.spec import PipelineSpec, load
@@ -52,8 +52,9 @@ def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = Non
         if not specs.pipelines[name].candidates(precisions, targets):
             continue
         try:
-            ended = pipeline_flow(file, name, precisions=precisions, targets=targets, force=force,
-                                  artifacts=artifacts, allow_outside_paths=allow_outside_paths, pool=pool)
+            ended = flow_summaries(pipeline_flow(file, name, precisions=precisions, targets=targets, force=force,
+                                                 artifacts=artifacts, allow_outside_paths=allow_outside_paths,
+                                                 pool=pool, return_state=True))
         except Exception as e:  # noqa: BLE001 - one broken pipeline does not stop the others, a lost server does
             progress.stop_if_a_server_was_lost(e)
             ended = _failed_pipeline(specs.pipelines[name], precisions, targets, e)
@@ -61,4 +62,4 @@ def nightly_flow(file: str = "pipelines.yaml", pipelines: list[str] | None = Non
             if any(s["status"] == "failed" for s in ended):  # this pipeline's failures, each asked about once
                 progress.stop_if_a_server_was_lost()
         summaries += ended
-    return Completed(message=tally(s["status"] for s in summaries), data=summaries)
+    return flow_end(tally(s["status"] for s in summaries), summaries)

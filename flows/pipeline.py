@@ -323,8 +323,8 @@ def _joined(spec: PipelineSpec, candidates: list[Candidate], parent_run_id: str,
 def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None, targets: list[str] | None = None,
                   force: bool = False, artifacts: str = "artifacts", allow_outside_paths: bool = False,
                   pool: str | None = None) -> State:
-    """Build, judge, record and promote every selected candidate of one pipeline; the flow run ends
-    `Completed` with the count of each outcome as its message, and one summary per candidate as its result.
+    """Build, judge, record and promote every selected candidate of one pipeline; the flow run ends with
+    the count of each outcome as its message and one summary per candidate as its result (`flow_end`).
 
     `pool` is the work pool this run is on: its targets build here, every other pool's on that pool
     (`smelter-build/<pool>`). Without one (`smelter run`, `smelter deploy`), every target builds here.
@@ -357,9 +357,25 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
     _publish(pipeline, outcomes)
     counts = tally(o.status for o in outcomes)
     progress.message(f"{pipeline}: {counts}")
-    return Completed(message=counts, data=[o.summary() | {"events": _events_of(o, deliveries),
-                                                          "mlflow_parent_run_id": parent_run_id}
-                                           for o in outcomes])
+    return flow_end(counts, [o.summary() | {"events": _events_of(o, deliveries), "mlflow_parent_run_id": parent_run_id}
+                             for o in outcomes])
+
+
+def flow_end(counts: str, summaries: list[dict[str, Any]]) -> State:
+    """A pipeline or nightly flow run's final state: `Failed` when a candidate failed (a stage broke), as
+    `smelter run`'s exit code says, so that the Prefect UI, its automations on failed runs and
+    `prefect deployment run --watch` see it; `Completed` otherwise. The summaries are its result either way."""
+    failed = any(s["status"] == "failed" for s in summaries)
+    return (Failed if failed else Completed)(message=counts, data=summaries)
+
+
+def flow_summaries(state: State) -> list[dict[str, Any]]:
+    """The summaries a flow run called with `return_state=True` ended with, Failed or not; an error raised
+    inside it is raised again here."""
+    summaries = state.result(raise_on_failure=False)
+    if isinstance(summaries, BaseException):
+        raise summaries
+    return summaries
 
 
 def _summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome], parent_run_id: str,

@@ -59,6 +59,7 @@ class Figures:
     prefill: tuple[PrefillPoint, ...]
     decode: tuple[DecodePoint, ...]
     arch: str | None = None
+    unit: str = "GPU"  # what one engine has to itself: a GPU, or for a CPU engine a machine
 
 
 @dataclass(frozen=True)
@@ -188,14 +189,15 @@ def plan(figures: Figures, workload: Workload, limits: Limits = Limits()) -> Cap
 def markdown(result: CapacityPlan) -> str:
     """The plan with its assumptions and arithmetic, for the terminal and the engine card."""
     w, f, basis = result.workload, result.figures, result.prefill_basis
+    unit = f.unit
     counted = "prompt + answer tokens" if w.count == "all" else "answer tokens only"
     lines = ["## Capacity plan", "",
-             f"Question: GPUs{f' ({f.arch})' if f.arch else ''} to serve {w.tokens_per_day:.3g} tokens/day "
+             f"Question: {unit}s{f' ({f.arch})' if f.arch else ''} to serve {w.tokens_per_day:.3g} tokens/day "
              f"({counted}) at {w.prompt} prompt + {w.answer} answer tokens per request, "
              f"request latency <= {w.slo_ms:g} ms (p99 SLO).", "",
              "Assumptions:", "",
              f"- figures: {f.source}, {f.statistic} of per-call time",
-             f"- one engine per GPU; requests served in batches: the batch's prompts prefilled together, then "
+             f"- one engine per {unit}; requests served in batches: the batch's prompts prefilled together, then "
              f"{w.answer} decode steps at that batch",
              f"- prefill time linear in tokens: {basis.ms:.4g} ms for {basis.batch}x{basis.seq} = "
              f"{basis.ms / (basis.batch * basis.seq) * 1000:.4g} us/token",
@@ -203,7 +205,7 @@ def markdown(result: CapacityPlan) -> str:
              f"- target utilisation {w.utilisation:.0%}: the headroom pays for queueing, peaks and failures, "
              "which are not modelled", "",
              f"| batch | prefill ms | decode step ms (past) | latency ms = prefill + {w.answer} x step | meets SLO "
-             "| tokens/s per GPU |",
+             f"| tokens/s per {unit} |",
              "|---|---|---|---|---|---|"]
     for o in result.options:
         lines.append(f"| {o.batch} | {o.prefill_ms:.4g} | {o.decode_step_ms:.4g} ({o.decode_past}) | "
@@ -217,14 +219,14 @@ def markdown(result: CapacityPlan) -> str:
     else:
         c = result.chosen
         lines += [f"Arithmetic (batch {c.batch}):", "",
-                  f"- tokens/s per GPU = {c.batch} x {w.tokens_per_request} / {c.latency_ms / 1000:.4g} s = "
+                  f"- tokens/s per {unit} = {c.batch} x {w.tokens_per_request} / {c.latency_ms / 1000:.4g} s = "
                   f"{c.tokens_per_s:,.0f}",
-                  f"- tokens/day per GPU = 86400 x {c.tokens_per_s:,.0f} = {result.tokens_per_day_per_gpu:.4g}",
-                  f"- GPUs = ceil({w.tokens_per_day:.4g} / ({result.tokens_per_day_per_gpu:.4g} x "
+                  f"- tokens/day per {unit} = 86400 x {c.tokens_per_s:,.0f} = {result.tokens_per_day_per_gpu:.4g}",
+                  f"- {unit}s = ceil({w.tokens_per_day:.4g} / ({result.tokens_per_day_per_gpu:.4g} x "
                   f"{w.utilisation:g})) = **{result.gpus}**"]
         if result.hosts is not None:
             lines.append(f"- hosts = ceil({result.gpus} / {w.gpus_per_host}) = **{result.hosts}**")
-        lines += ["", f"Answer: **{result.gpus} GPU{'s' if result.gpus != 1 else ''}**"
+        lines += ["", f"Answer: **{result.gpus} {unit}{'s' if result.gpus != 1 else ''}**"
                   + (f" on {result.hosts} host{'s' if result.hosts != 1 else ''}" if result.hosts is not None else "")
                   + f" at batch {c.batch} (request latency {c.latency_ms:.4g} ms)."]
     if result.warnings:
@@ -233,7 +235,8 @@ def markdown(result: CapacityPlan) -> str:
 
 
 def figures_from_metrics(metrics: dict[str, float], source: str, arch: str | None = None) -> Figures:
-    """Figures from a candidate run's metrics (`b8_s512.p99_ms`, `decode_b64_p512.p99_ms`): p99 where logged."""
+    """Figures from a candidate run's metrics (`b8_s512.p99_ms`, `decode_b64_p512.p99_ms`): p99 where logged.
+    An engine with no GPU arch is a CPU engine: one per machine."""
     found: dict[str, dict[tuple[int, int], dict[str, float]]] = {"prefill": {}, "decode": {}}
     for name, value in metrics.items():
         for kind, pattern in (("prefill", PREFILL_METRIC), ("decode", DECODE_METRIC)):
@@ -247,7 +250,8 @@ def figures_from_metrics(metrics: dict[str, float], source: str, arch: str | Non
     statistic = "p99_ms" if all("p99_ms" in v for v in every) else "p50_ms"
     return Figures(source, statistic.removesuffix("_ms"),
                    tuple(PrefillPoint(b, s, v[statistic]) for (b, s), v in sorted(found["prefill"].items())),
-                   tuple(DecodePoint(b, p, v[statistic]) for (b, p), v in sorted(found["decode"].items())), arch)
+                   tuple(DecodePoint(b, p, v[statistic]) for (b, p), v in sorted(found["decode"].items())), arch,
+                   "GPU" if arch else "CPU machine")
 
 
 def figures_from_file(path: Path) -> Figures:

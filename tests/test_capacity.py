@@ -164,6 +164,23 @@ def test_cli_reads_a_registered_versions_measured_figures(tmp_path: Path, tiny_l
     assert f"{name} has no version 99" in capsys.readouterr().err
 
 
+def test_a_cpu_engine_is_planned_in_machines_not_gpus() -> None:
+    figures = capacity.figures_from_metrics({"b4_s64.p99_ms": 5.0, "decode_b4_p64.p99_ms": 2.0}, "llm-cpu v2")
+    text = capacity.markdown(capacity.plan(figures, Workload(1e6, prompt=32, answer=32, slo_ms=1000)))
+    assert "Question: CPU machines to serve" in text and "Answer: **1 CPU machine** at batch 4" in text
+    assert "GPU" not in text
+
+
+def test_cli_refuses_a_plan_for_an_encoder_before_reading_the_registry(
+        tmp_path: Path, tiny_bert_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pipelines = write_pipelines(tmp_path, tiny_bert_dir, "feature-extraction", name="enc")
+    assert main(["capacity", "enc-cpu", "-f", str(pipelines), "--tokens-per-day", "1e6", "--prompt", "32",
+                 "--answer", "32", "--slo-ms", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert f"{pipelines}: capacity enc-cpu: pipeline enc builds a feature-extraction model" in err
+    assert "needs a decoder" in err and "Traceback" not in err
+
+
 # --- the plan on the engine card: the pipeline's `capacity:` mix on a candidate's measured figures ---
 
 def _llama_spec(capacity_settings: dict | None) -> PipelineSpec:

@@ -158,7 +158,7 @@ def test_a_pool_that_cannot_build_fails_its_candidates_and_the_rest_is_promoted(
         prefect_server, tmp_path: Path, pipeline_factory, tiny_bert_dir) -> None:
     """The parent on pool cpu: its own target built in-process and joined through MLflow; the other
     pool has no build deployment, so its candidate fails with the reason and the alias still moves."""
-    from flows.pipeline import pipeline_flow
+    from flows.pipeline import flow_summaries, pipeline_flow
 
     name = f"half-{tmp_path.name[-6:]}".lower().replace("_", "-")
     path = pipeline_factory(tiny_bert_dir, "feature-extraction", name=name,
@@ -167,8 +167,9 @@ def test_a_pool_that_cannot_build_fails_its_candidates_and_the_rest_is_promoted(
                                       "pool": "gpu-unregistered"}],
                             accuracy={"gates": {"cosine_mean": {"min": 0.9}}},
                             performance={"gates": {"p99_ms": {"max": 60000}}})
-    summaries = {s["target"]: s for s in pipeline_flow(str(path), name, artifacts=str(tmp_path / "artifacts"),
-                                                       pool="cpu")}
+    state = pipeline_flow(str(path), name, artifacts=str(tmp_path / "artifacts"), pool="cpu", return_state=True)
+    assert state.is_failed(), "a flow run with a failed candidate must not look green in Prefect"
+    summaries = {s["target"]: s for s in flow_summaries(state)}
     assert summaries["far"]["status"] == "failed"
     assert summaries["far"]["error"] == ("no deployment smelter-build/gpu-unregistered: "
                                          "register it with `smelter deploy --pools`")

@@ -36,6 +36,19 @@ def cached_task_runs() -> list[str]:
     return [r.name for r in runs]
 
 
+def flow_run_state(name: str) -> str:
+    """The state type of the newest Prefect flow run named `name`."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])),
+                                     sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)
+    assert runs, f"no Prefect flow run {name}"
+    return runs[0].state.type.value
+
+
 def prefect_table(key: str) -> str:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -169,6 +182,7 @@ def test_rejected_and_failed_candidates_are_recorded_never_promoted(
     if gpu["status"] != "failed":
         pytest.skip("this machine has TensorRT: the sm90 candidate cannot fail for its absence")
     assert code == 1
+    assert flow_run_state(name) == "FAILED", "a pipeline run with a failed candidate looked green in Prefect"
     assert cpu["status"] == "rejected"
     assert any("max_abs_error" in r for g in cpu["gates"] for r in g["reasons"])
     assert gpu["failed_stage"] == "build" and "TensorRT" in gpu["error"]
