@@ -266,7 +266,7 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
 
             for note in _warnings(_selected(specs, args)):
                 progress.message(note)
-            progress.message(f"smelter: {len(selected)} candidates in {len(pipelines)} pipelines"
+            progress.message(f"smelter: {_count(len(selected), 'candidate')} in {_count(len(pipelines), 'pipeline')}"
                              + ("" if args.verbose else f"; library output in {log_path}"))
             with server.serving():
                 summaries = flow_summaries(nightly_flow(
@@ -295,6 +295,10 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
         for line in _last_lines(summaries, specs, links, log_path):
             print(line)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _new_log_file(logs: Path) -> Path:
@@ -347,7 +351,9 @@ def _last_lines(summaries: list[dict[str, Any]], specs: Any, links: dict[str, st
         lines.append(f"Next: the failed stage's error is above and in full in {log_path}; fix it and run again "
                      "(finished stages are cached)")
     elif "pending" in statuses:
-        lines.append("Next: some measurements were taken on a busy machine; run again when it is quiet to decide them")
+        lines.append("Next: some measurements were taken on a busy machine; run again when it is quiet to decide them "
+                     "(on a machine that is never quiet, benchmark.contended_above sets the share of the CPU others "
+                     "may use: docs/decisions.md)")
     elif "promoted" in statuses:
         lines.append(f"Next: deploy {', '.join(_alias_uris(summaries, specs, promoted=True))}; an unchanged "
                      "re-run is cached and moves nothing")

@@ -57,4 +57,4 @@ def make_tiny_llama(out_dir: Path, text_file: Path = DEFAULT_TEXT, seed: int = 0
 
 if __name__ == "__main__":
     target = make_tiny_llama(Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "models" / "tiny-llama")
-    print(target)
+    print(f"made {target}: the tiny random-weight Llama of the example pipeline tiny-llama")
