@@ -25,10 +25,11 @@ PRESENT_PREFIX = "present."
 
 
 def read_texts(path: Path, limit: int | None = None) -> list[str]:
-    """The non-empty lines of a text file, up to `limit` of them (all when None)."""
+    """The non-empty lines of a text file, up to `limit` of them (all when None). A byte-order mark at the start
+    (some editors write one) is dropped, not read into the first sample; tasks/config/preflight.py decodes alike."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").removeprefix("\ufeff").splitlines()
     except OSError as e:
         raise FileNotFoundError(f"cannot read text samples from {path}: {e.strerror}") from e
     texts = [line.strip() for line in lines if line.strip()]

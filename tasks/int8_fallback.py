@@ -25,18 +25,15 @@ import onnxruntime as ort
 from tasks.accuracy import cosine, mean_pool
 from tasks.spec import PipelineSpec
 
-GATED = {"encoder": ("cosine_mean", "cosine_min"), "decoder": ("top1_agreement",)}
 PROBE_BATCHES = 4  # calibration batches the one-pass sensitivity reads (the gate check reads them all)
 
 
 def gated_metrics(spec: PipelineSpec) -> dict[str, Any]:
-    """The accuracy gates the calibration check can evaluate; an error when there is none to aim at."""
-    kind = "decoder" if spec.model.is_decoder else "encoder"
-    gates = {name: spec.accuracy.gates[name] for name in GATED[kind] if name in spec.accuracy.gates}
-    if not gates:
-        raise ValueError(f"pipeline {spec.name}: quantization.accuracy_fallback: expected an accuracy gate on "
-                         f"{' or '.join(GATED[kind])} (accuracy.gates) to aim at; found "
-                         f"{', '.join(spec.accuracy.gates) or 'none'}")
+    """The accuracy gates the calibration check can evaluate; an error when there is none to aim at (`smelter
+    validate` refuses that already, by the same rule: PipelineSpec.fallback_gates)."""
+    gates, why = spec.fallback_gates()
+    if why:
+        raise ValueError(f"pipeline {spec.name}: quantization.accuracy_fallback: {why}")
     return gates
 
 

@@ -16,6 +16,10 @@ POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput", "tokens_
 DECODE_METRICS = ("p50_ms", "p99_ms", "tokens_per_s", "reference_p50_ms", *RATIOS)
 BUILD_METRICS = ("build_seconds", "engine_bytes")
 KEY_METRICS = (*GATE_POINT_METRICS, *(f"{r}_ci_{end}" for r in RATIOS for end in ("low", "high")), *BUILD_METRICS)
+# Gated metrics where a larger value is a better engine; every other gated metric (errors, latencies, perplexity
+# delta) is better lower. The regression gate compares in this direction, and a gate bound on the other side is refused.
+HIGHER_IS_BETTER = ("cosine_mean", "cosine_min", "label_agreement", "top1_agreement", "throughput",
+                    "speedup_vs_reference")
 
 
 def _point(row: dict[str, Any], names: tuple[str, ...], prefix: str = "") -> dict[str, Any]:

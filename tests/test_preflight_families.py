@@ -305,3 +305,32 @@ def test_a_falcon_whose_cache_optimum_cannot_export_is_refused_with_past_only(tm
             "expected task text-generation (no KV cache)")
     _, ok = validate(tmp_path, model_dir, "text-generation")
     assert ok == ""
+
+
+# --- image and audio models: not token ids in
+
+
+@pytest.mark.parametrize(("model_class", "task", "kind", "shows"), [
+    ("ViTModel", "feature-extraction", "image", "has image_size and num_channels and no vocab_size, so its input is "
+                                                "pixel_values"),
+    ("ViTForImageClassification", "text-classification", "image", "so its input is pixel_values"),
+    ("Wav2Vec2Model", "feature-extraction", "audio", "has conv_dim, so its input is input_values"),
+])
+def test_an_image_or_audio_model_is_refused_as_such(tmp_path: Path, bpe_tokenizer: PreTrainedTokenizerFast,
+                                                    model_class: str, task: str, kind: str, shows: str) -> None:
+    """Refused for what it is, not for a missing tokenizer, nor let through to fail in the export: Optimum exports a
+    ViT for feature-extraction, and its folder may well hold a tokenizer (here one, so only the kind can refuse)."""
+    if kind == "image":
+        config = transformers.ViTConfig(image_size=32, patch_size=16, num_labels=3, **SIZES)
+    else:
+        config = transformers.Wav2Vec2Config(vocab_size=len(bpe_tokenizer), conv_dim=(8, 8), conv_stride=(5, 2),
+                                             conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                             num_conv_pos_embedding_groups=2, **SIZES)
+    model_dir = save_model(tmp_path / "model", model_class, config, bpe_tokenizer)
+    path, message = validate(tmp_path, model_dir, task)
+    refused(message, path, "model.path", f"{kind} model: {model_dir}/config.json", shows,
+            "smelter builds engines for text models (token ids in) only")
+    assert len(message.splitlines()) == 1, message
+    (model_dir / "tokenizer.json").unlink()
+    _, message = validate(tmp_path, model_dir, task)
+    assert f"{kind} model" in message and "has no tokenizer" not in message

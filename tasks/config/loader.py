@@ -18,7 +18,9 @@ from pydantic import ValidationError
 
 from tasks.config import preflight
 from tasks.backends.table import BACKENDS
-from tasks.config.schema import TARGET_CLASSES, Candidate, FleetSpec, PipelineSpec, PipelinesFile, registered_model_name
+from tasks.config.schema import (TARGET_CLASSES, Candidate, FleetSpec, PipelineSpec, PipelinesFile, Threshold,
+                                 registered_model_name)
+from tasks.metrics import HIGHER_IS_BETTER
 from tasks.redact import redacted_url
 from tasks.yaml_source import YamlDocument, YamlProblem, clip, key_path, printable, read, shown
 
@@ -41,18 +43,21 @@ class SpecError(Exception):
 Located = tuple[tuple[Any, ...], str]
 
 
-def _duplicates(key: str, names: list[str]) -> list[Located]:
+def _duplicates(key: tuple[str, ...], names: list[Any], what: str = "names") -> list[Located]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if not dupes:
         return []
     second = next(i for i, n in enumerate(names) if n in dupes and names.index(n) != i)
-    return [((key, second), f"duplicate names {dupes}")]
+    return [((*key, second), f"duplicate {what} {dupes}")]
 
 
 def _semantic_problems(spec: PipelineSpec) -> list[Located]:
     """Checks that span several keys, each reported at the key a user must change."""
-    problems = _duplicates("precisions", list(spec.precisions)) + _duplicates("targets", [t.name for t in spec.targets])
-    problems += _gate_problems(spec) + _profile_problems(spec) + _outside_profiles(spec)
+    problems = _duplicates(("precisions",), list(spec.precisions))
+    problems += _duplicates(("targets",), [t.name for t in spec.targets])
+    problems += _duplicates(("benchmark", "batch_sizes"), list(spec.benchmark.batch_sizes), "values")
+    problems += _duplicates(("benchmark", "seq_lens"), list(spec.benchmark.seq_lens), "values")
+    problems += _gate_problems(spec) + _profile_problems(spec) + _outside_profiles(spec) + _fallback_problems(spec)
     for i, precision in enumerate(spec.precisions):
         reasons = [f"{t.name}: {why}" for t in spec.targets if (why := t.precision_problem(precision))]
         if len(reasons) == len(spec.targets):
@@ -85,7 +90,29 @@ def _gate_problems(spec: PipelineSpec) -> list[Located]:
                     problems.append(((section, "gates", metric), f"threshold {bound} is outside [0, 1]"))
                 elif not bounded and bound is not None and bound < 0 and metric != "perplexity_delta":
                     problems.append(((section, "gates", metric), f"threshold {bound} must not be negative"))
+            if metric in (metrics if section == "accuracy" else PERFORMANCE_METRICS):
+                problems += _wrong_side(section, metric, threshold)
     return problems
+
+
+def _wrong_side(section: str, metric: str, threshold: Threshold) -> list[Located]:
+    """A bound on the side where engines get better (`max` on cosine, `min` on a latency) fails the better ones."""
+    higher = metric in HIGHER_IS_BETTER
+    wrong, right = ("max", "min") if higher else ("min", "max")
+    if getattr(threshold, wrong) is None:
+        return []
+    kind = "higher-is-better" if higher else "lower-is-better"
+    return [((section, "gates", metric, wrong), f"`{wrong}` on a {kind} metric rejects better engines; "
+                                                f"expected `{right}`")]
+
+
+def _fallback_problems(spec: PipelineSpec) -> list[Located]:
+    """int8's accuracy fallback needs a gate it can check on calibration data: refused here, not in the precision
+    stage (which asks the same PipelineSpec.fallback_gates)."""
+    if spec.quantization.accuracy_fallback is None or not any(c.precision == "int8" for c in spec.candidates()):
+        return []
+    _, why = spec.fallback_gates()
+    return [(("quantization", "accuracy_fallback"), why)] if why else []
 
 
 def _profile_problems(spec: PipelineSpec) -> list[Located]:
@@ -246,7 +273,7 @@ def load(path: str | os.PathLike, *, pipelines: Sequence[str] | None = None, che
     problems += shared
     warnings += shared_notes
     if problems:
-        raise SpecError(problems)
+        raise SpecError(list(dict.fromkeys(problems)))  # a problem under defaults: is found by every pipeline
     return PipelinesFile(path=file, pipelines=parsed, allow_outside_paths=allow_outside_paths, fleet=fleet,
                          warnings=[clip(printable(w), MAX_PROBLEM_CHARS) for w in _bounded(warnings)])
 
@@ -295,11 +322,30 @@ def _check_pipeline(report: _Report, name: str, body: Any, defaults: dict, base_
     try:
         spec = PipelineSpec.model_validate(merged)
     except ValidationError as e:
-        return report.pydantic(where, e, merged), [], None
+        located = [_pydantic_problem(where, error, merged) for error in e.errors()]
+        return [report.describe(_written_at(loc, body, defaults), msg) for loc, msg in located], [], None
     checks = preflight.check(spec, allow_outside_paths=allow_outside_paths, check_env=check_env)
     problems = _semantic_problems(spec) + checks.problems
     return ([report.describe(where + loc, msg, settled=True) for loc, msg in problems],
             [report.describe(where + loc, msg, settled=True) for loc, msg in checks.warnings], spec)
+
+
+def _written_at(loc: tuple[Any, ...], body: dict, defaults: dict) -> tuple[Any, ...]:
+    """Where a pipeline's problem is written: under defaults: when the pipeline only inherits the value, so a
+    typo there is reported once, at its own key, instead of once per pipeline."""
+    keys = loc[2:]
+    return ("defaults", *keys) if keys and not _holds(body, keys) and _holds(defaults, keys) else loc
+
+
+def _holds(data: Any, keys: tuple[Any, ...]) -> bool:
+    """Whether `data`, as the user wrote it, has this key path."""
+    for key in keys:
+        if isinstance(data, dict) and key in data or isinstance(data, list) and isinstance(key, int) and \
+                0 <= key < len(data):
+            data = data[key]
+        else:
+            return False
+    return True
 
 
 def _bounded(lines: list[str]) -> list[str]:

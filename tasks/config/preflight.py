@@ -27,6 +27,8 @@ MAX_CONFIG_BYTES = 16 << 20
 # A sample far longer than any sequence: a file with no line breaks, say. Tokenizing 10 MB of one line
 # for each row of a batch took minutes and gigabytes; 100000 characters is ~25000 tokens or more.
 MAX_SAMPLE_CHARS = 100_000
+# Structured formats a data file is not read as: each of their lines would become a sample, markup and all.
+STRUCTURED_DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
 # Config keys that bound the positions a model can attend to, as transformers' architectures name them.
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
                  "max_seq_len")
@@ -46,6 +48,11 @@ SLIDING_WINDOW_TYPES = ("gemma2", "gemma3", "gemma3_text")
 # The heads each task's checkpoint must carry (transformers' class name suffixes; see tasks.models' auto classes).
 CLASSIFIER_HEADS = ("ForSequenceClassification",)
 LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+# Vision and audio models, told by their config: (kind, main input, keys only such a config has, whether a vocab_size
+# clears it). A text model embeds token ids, so its config (or text_config) has vocab_size; a CTC speech model has
+# one too (its output letters), so conv_dim (its waveform encoder) or num_mel_bins tells audio alone.
+NON_TEXT_MODELS = (("image", "pixel_values", ("image_size", "num_channels"), True),
+                   ("audio", "input_values (or input_features)", ("conv_dim", "num_mel_bins"), False))
 SMELTER_TASKS = ("feature-extraction", "text-classification", "text-generation", "text-generation-with-past")
 
 # What transformers loads a local model from: single-file weights, sharded checkpoints, tokenizers.
@@ -117,8 +124,13 @@ def _data_problem(spec: PipelineSpec, section: str, written: str, samples: int,
 
 
 def text_file_problem(path: Path, samples: int, wanted_by: str) -> str | None:
-    """Why `path` is not a readable UTF-8 text file with at least `samples` non-empty lines, or None."""
+    """Why `path` is not a readable UTF-8 text file with at least `samples` non-empty lines, or None.
+
+    Decoded as tasks.inputs.read_texts reads it: a byte-order mark at the start is not part of the first sample."""
     where = clip(str(path))
+    if path.suffix.lower() in STRUCTURED_DATA_SUFFIXES:
+        return (f"{where} is a {path.suffix.lower()} file, which would be read as raw lines (its markup inside the "
+                "samples); expected a UTF-8 text file with one sample per line")
     try:
         data = read_bounded(path, MAX_DATA_BYTES)
     except OSError as e:
@@ -126,7 +138,7 @@ def text_file_problem(path: Path, samples: int, wanted_by: str) -> str | None:
     if len(data) > MAX_DATA_BYTES:
         return f"{where} is larger than {MAX_DATA_BYTES >> 20} MiB; expected text, one sample per line"
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         return f"{where} is not UTF-8 text: byte 0x{data[e.start]:02x} on line {line}"
@@ -202,7 +214,24 @@ def _local_config(spec: PipelineSpec) -> tuple[dict[str, Any], str | None]:
     if problem and (model_dir / "modules.json").is_file():
         problem += ("; this looks like a sentence-transformers folder: point model.path at its transformer "
                     "module (the folder holding config.json and the weights)")
+    if not problem:  # before its files: an image model's folder has no tokenizer, which is not the point
+        problem = non_text_problem(config, f"{clip(str(model_dir))}/config.json")
     return config, problem or model_files_problem(model_dir)
+
+
+def non_text_problem(config: dict[str, Any], source: str) -> str | None:
+    """Why the model is not a text model (a vision or audio one: pixel_values or input_values in), or None.
+
+    Told by its config, not by loading its class (that imports torch: seconds for every `smelter validate`).
+    """
+    has_vocab = any("vocab_size" in scope for scope in _scopes(config))
+    for kind, main_input, keys, needs_no_vocab in NON_TEXT_MODELS:
+        shows = [key for key in keys if key in config]
+        if shows and not (needs_no_vocab and has_vocab):
+            return (f"{kind} model: {source} ({shown(config.get('model_type'))}) has {' and '.join(shows)}"
+                    f"{' and no vocab_size' if needs_no_vocab else ''}, so its input is {main_input}: smelter builds "
+                    "engines for text models (token ids in) only")
+    return None
 
 
 def model_files_problem(model_dir: Path) -> str | None:
@@ -334,6 +363,8 @@ def _cached_hub_config(repo_id: str, revision: str) -> tuple[dict[str, Any], str
 def config_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
     """The model's kind and head against the task, the task against what Optimum exports for this model type,
     every shape against the model's positions and attention window."""
+    if not_text := non_text_problem(config, source):
+        return [(_model_key(spec), not_text)]
     if config.get("is_encoder_decoder") is True:
         return [_encoder_decoder_problem(spec, config, source)]
     problems = _task_problems(spec, config, source)

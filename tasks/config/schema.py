@@ -8,6 +8,8 @@ registry (tasks.backends.table), so an installed backend plugin's settings are p
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib.util
 import os
 import re
@@ -17,7 +19,7 @@ from typing import Annotated, Any, Literal, Union
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
 from tasks import capacity as _capacity
@@ -36,6 +38,8 @@ TASKS = ("feature-extraction", "text-classification", "text-generation", "text-g
 DECODER_TASKS = ("text-generation", "text-generation-with-past")
 KV_CACHE_TASKS = ("text-generation-with-past",)
 PACKAGE_SCHEME = "package://"
+# The accuracy gates int8's accuracy fallback can check on calibration data (tasks/int8_fallback.py measures them).
+FALLBACK_GATED = {"encoder": ("cosine_mean", "cosine_min"), "decoder": ("top1_agreement",)}
 
 
 class ModelSpec(_Strict):
@@ -115,13 +119,32 @@ class AccuracyFallbackSpec(_Strict):
         "nodes float, one at a time, until they pass or this share of the quantizable nodes is float")
 
 
+@functools.cache
+def _onnx_op_types() -> tuple[str, ...]:
+    """Every operator name onnx knows (every domain and opset) and ONNX Runtime's own (FusedMatMul, ...), read once."""
+    from onnx.defs import get_all_schemas_with_history
+    from onnxruntime.capi import _pybind_state
+
+    schemas = [*get_all_schemas_with_history(), *_pybind_state.get_all_operator_schema()]
+    return tuple(sorted({schema.name for schema in schemas}))
+
+
+def _onnx_op_type(name: str) -> str:
+    """An op type that is no ONNX operator matches no node: a typo (MatMull) would quietly quantize everything."""
+    if name not in _onnx_op_types():
+        close = difflib.get_close_matches(name, _onnx_op_types(), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"unknown op type {shown(name)}; expected an ONNX operator name like MatMul or Gemm{hint}")
+    return name
+
+
 class QuantizationSpec(_Strict):
     accuracy_fallback: AccuracyFallbackSpec | None = Field(
         None, description="keep int8's most sensitive nodes in float until the accuracy gates pass (off when unset)")
     exclude_nodes: list[Pattern] = Field(default_factory=list, max_length=MAX_PATTERNS,
                                          description="node name globs kept in float")
-    exclude_op_types: list[Pattern] = Field(default_factory=list, max_length=MAX_PATTERNS,
-                                            description="op types kept in float")
+    exclude_op_types: list[Annotated[Pattern, AfterValidator(_onnx_op_type)]] = Field(
+        default_factory=list, max_length=MAX_PATTERNS, description="ONNX op types kept in float")
     cpu_format: Literal["dynamic", "qdq-u8s8"] = Field(
         "dynamic", description="the int8 graph ONNX Runtime runs fast on x86"
     )
@@ -434,6 +457,16 @@ class PipelineSpec(_Strict):
 
     def calibrates(self) -> bool:
         return any(self.calibrated(c) for c in self.candidates())
+
+    def fallback_gates(self) -> tuple[dict[str, Threshold], str | None]:
+        """(the accuracy gates quantization.accuracy_fallback aims at, why there is none): it can only check on
+        calibration data the gates in FALLBACK_GATED. `smelter validate` and the precision stage both ask here."""
+        names = FALLBACK_GATED["decoder" if self.model.is_decoder else "encoder"]
+        gates = {name: self.accuracy.gates[name] for name in names if name in self.accuracy.gates}
+        if gates:
+            return gates, None
+        return {}, (f"expected an accuracy gate on {' or '.join(names)} (accuracy.gates) to aim at; found "
+                    f"{', '.join(self.accuracy.gates) or 'none'}")
 
 
 class Candidate(BaseModel):
