@@ -56,6 +56,12 @@ class AccuracyConfig:
                    tuple(spec.profiles), tuple(spec.targets), spec.validation)
 
 
+def eval_data(data_path: Path, samples: int) -> str:
+    """Which text the metrics were measured on: the data file's sha256 and how many of its lines were read.
+    Accuracy figures compare only when it is the same (the regression gate, tasks/registry/versions.py)."""
+    return f"{file_digest(data_path)}:{samples}"
+
+
 def accuracy_key(build_result: StageResult, spec: PipelineSpec) -> str:
     """Hash of the engine, the accuracy settings (not the gates, which only read metrics) and the eval text."""
     return accuracy_work(AccuracyConfig.of(spec), build_result, None).key
@@ -95,8 +101,8 @@ def accuracy_work(config: AccuracyConfig, build_result: StageResult, store: Arti
 
     parts = {"upstream": {"build": build_result.key, "files": build_result.content}, "config": settings,
              "data": file_digest(config.data_path), "tools": tools}
-    return Work(config.source.pipeline, "accuracy", parts, CODE, produce, inputs={"build": build_result.key},
-                config=settings, tools=tools)
+    inputs = {"build": build_result.key, "eval_data": eval_data(config.data_path, config.samples)}
+    return Work(config.source.pipeline, "accuracy", parts, CODE, produce, inputs=inputs, config=settings, tools=tools)
 
 
 def run_accuracy(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore,

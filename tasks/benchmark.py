@@ -29,7 +29,7 @@ import pandas as pd
 from tasks import killpoints, stats
 from tasks.backends.base import Runner
 from tasks.build import open_engine
-from tasks.champion import cannot_run_here, same_engine
+from tasks.champion import built_from, cannot_run_here, same_engine
 from tasks.hostload import LoadWatch
 from tasks.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read_texts
 from tasks.measure import Contender, Rounds, measure_rounds
@@ -66,10 +66,12 @@ class LatencySamples:
         return float(np.mean(self.samples_ms))
 
     def summary(self, batch: int, tokens_per_call: int) -> dict[str, float]:
-        """Percentiles, mean, samples/s (batch / mean seconds) and tokens/s."""
-        mean_s = self.mean_ms / 1e3
+        """Percentiles, mean, samples/s (batch / median seconds) and tokens/s. Rates divide by the median call,
+        as decisions read medians (of paired per-round ratios): a few slow outliers inflate a mean, and a rate
+        from it could rank two engines the other way round from the decision."""
+        median_s = self.percentile(50) / 1e3
         return {"p50_ms": self.percentile(50), "p90_ms": self.percentile(90), "p99_ms": self.percentile(99),
-                "mean_ms": self.mean_ms, "throughput": batch / mean_s, "tokens_per_s": tokens_per_call / mean_s}
+                "mean_ms": self.mean_ms, "throughput": batch / median_s, "tokens_per_s": tokens_per_call / median_s}
 
 
 @dataclass(frozen=True)
@@ -237,9 +239,11 @@ def _measure(config: BenchmarkConfig, builds: dict[str, StageResult], champion: 
         if _extra_champion(champion, builds):
             champion_info = {"version": champion.version, "registered_model": champion.registered_model,
                              "build_key": champion.build_key, "label": champion.label, "unavailable": None,
-                             "permanent": False}
+                             "permanent": False, "model_source": None}
             try:
-                runners[champion.label] = open_runner(config.targets, champion_build(), threads=threads)
+                built = champion_build()
+                champion_info["model_source"] = built_from({"build": built})  # retrained since? (tasks/decide.py)
+                runners[champion.label] = open_runner(config.targets, built, threads=threads)
             except Exception as e:  # noqa: BLE001 - recorded; the decision reads it
                 champion_info |= {"label": None, "unavailable": f"{type(e).__name__}: {e}",
                                   "permanent": cannot_run_here(e)}

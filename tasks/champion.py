@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from tasks import tracking
@@ -35,6 +36,15 @@ def same_engine(champion: Champion, build: StageResult) -> bool:
     if champion.engine_identity and identity:
         return identity == champion.engine_identity
     return build.key == champion.build_key
+
+
+def built_from(stages: Mapping[str, StageResult]) -> str | None:
+    """The model files an engine was built from (tasks/models.py `model_source_digest`): a build from the model
+    names them in its own inputs, a build from ONNX through its export; None where neither recorded them. Only
+    this says a champion was retrained: build keys also change with Optimum, smelter or backend upgrades."""
+    build, export = stages.get("build"), stages.get("export")
+    named = (build.manifest.get("inputs") or {}).get("model") if build else None
+    return named or (export.outputs.get("model_source") if export else None)
 
 
 def cannot_run_here(error: BaseException) -> bool:

@@ -1,12 +1,17 @@
 """Which passing candidate of each target takes the promotion alias, and why each one does or does not.
 
-The rules (README, "How smelter decides"), applied per (pipeline, target):
+The rules (docs/decisions.md, "How smelter decides"), applied per (pipeline, target):
 - Only a candidate that passed every gate may take the alias.
 - The champion's engine is the candidate with its very bytes (tasks/champion.py `same_engine`); a
   rebuild from the same inputs with other bytes is a challenger, measured against it like any other.
 - With no champion, the fastest passing candidate takes it (all were timed in the same rounds); when
   its lead over another passing candidate is within noise (their side-by-side 95% interval holds 1),
   the higher precision of those tied takes it, so a first crowning does not follow the noise.
+- When today's candidates were built from other model files than the champion's engine (the model's digest in
+  their build records, tasks/champion.py `built_from`), the champion is superseded: the fastest passing
+  candidate takes it as with no champion (ties as above). A speed comparison cannot retire a retrained
+  model's predecessor; only the model files count, not a toolchain upgrade. A champion with no recorded
+  model digest (older versions) is judged as below.
 - When the champion fails today's gates, or its engine cannot run on this machine any more (its
   backend is missing, or an EngineMismatch of any backend), the fastest passing candidate takes it.
   A champion candidate that errored for any other reason moves nothing.
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.champion import same_engine, says_cannot_run_here
+from tasks.champion import built_from, same_engine, says_cannot_run_here
 from tasks.outcome import CandidateOutcome, Champion, Decision
 from tasks.spec import PipelineSpec
 
@@ -68,18 +73,43 @@ def _lead(best: CandidateOutcome, other: CandidateOutcome) -> tuple[float, float
     return None
 
 
-def _first_pick(passing: list[CandidateOutcome], best: CandidateOutcome) -> tuple[CandidateOutcome, str | None]:
+def _first_pick(passing: list[CandidateOutcome], best: CandidateOutcome
+                ) -> tuple[CandidateOutcome, str | None, set[str]]:
     """Who takes an alias that no measured champion defends: `best` unless its lead over another passing
-    candidate is within noise, then the higher precision of those tied (with the sentence that says so)."""
+    candidate is within noise, then the higher precision of those tied (with the sentence that says so, and
+    the names of those tied)."""
     ties = {o.candidate.name: lead for o in passing if o is not best
             and (lead := _lead(best, o)) is not None and lead[1] <= 1}
     if not ties:
-        return best, None
+        return best, None, set()
     tied = [best] + [o for o in passing if o.candidate.name in ties]
     rank = {p: i for i, p in enumerate(PRECISION_PREFERENCE)}
     taker = min(tied, key=lambda o: rank.get(o.candidate.precision, len(rank)))
     shown = ", ".join(f"{name} {r:.3g}x [{lo:.3g}, {hi:.3g}]" for name, (r, lo, hi) in ties.items())
-    return taker, f"a tie on speed ({best.candidate.name} vs {shown}: the interval holds 1), so the higher precision takes it"
+    return (taker, f"a tie on speed ({best.candidate.name} vs {shown}: the interval holds 1), so the higher precision "
+            "takes it", {o.candidate.name for o in tied})
+
+
+def _beaten(outcome: CandidateOutcome, best: CandidateOutcome) -> str:
+    """How much slower than `best` a candidate outside a tie is, measured side by side (when it was)."""
+    if (lead := _lead(outcome, best)) is None:
+        return ""
+    return f"; this one is slower: {lead[0]:.3g}x [{lead[1]:.3g}, {lead[2]:.3g}] vs {best.candidate.name}"
+
+
+def _short(digest: str) -> str:
+    return digest if digest.startswith("hub:") else f"…{digest[-12:]}"
+
+
+def _retrained(champion: Champion, measured: dict[str, Any] | None, passing: list[CandidateOutcome]) -> str | None:
+    """Why the champion is superseded when today's candidates come from other model files than its engine (its
+    version's record, else what the benchmark read in its build manifest); None when they do not, or one is unknown."""
+    theirs = champion.model_source or (measured or {}).get("model_source")
+    ours = sorted({source for o in passing if (source := built_from(o.stages))})
+    if not theirs or not ours or theirs in ours:
+        return None
+    return (f"champion v{champion.version} was built from other model files ({_short(theirs)}), today's are "
+            f"({', '.join(map(_short, ours))}): the new model takes the alias")
 
 
 def _comparison(outcome: CandidateOutcome, champion: Champion) -> dict[str, Any] | None:
@@ -119,7 +149,7 @@ def _hold_pending(outcome: CandidateOutcome, share: float | None = None) -> bool
     if outcome.status == "failed" or share is None or not all(g.passed or g.inconclusive for g in outcome.gates):
         return False
     outcome.status = "pending"
-    outcome.decision = Decision(f"pending: machine busy (other processes used {share:.0%} of the CPU while it was "
+    outcome.decision = Decision(f"machine busy (other processes used {share:.0%} of the CPU while it was "
                                 "timed); speed not judged, the next quiet run decides")
     return True
 
@@ -160,15 +190,19 @@ def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion
         outcome.decision = Decision(reason, take, comparisons.get(outcome.candidate.name), holds or take,
                                     champion.version if champion else None)
 
-    first, tie = _first_pick(passing, best)
+    first, tie, tied = _first_pick(passing, best)
 
     def crown(why: str) -> None:
         """Give the alias to `first`, as nothing defends it."""
         for outcome in passing:
             if outcome is first:
                 decide(outcome, f"{why}: {tie or 'fastest passing candidate'}", take=True)
+            elif outcome.candidate.name in tied:
+                decide(outcome, f"{why}: {first.candidate.name} takes it (a tie on speed)")
+            elif tie:
+                decide(outcome, f"{why}: {first.candidate.name} takes it{_beaten(outcome, best)}")
             else:
-                decide(outcome, f"{why}: {first.candidate.name} " + ("takes it (a tie on speed)" if tie else "is faster"))
+                decide(outcome, f"{why}: {first.candidate.name} is faster")
 
     if champion is None:
         crown("no champion yet")
@@ -178,6 +212,9 @@ def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion
                "this run started: the alias moved meanwhile; nothing moves, the next run compares with the new one")
         for outcome in passing:
             decide(outcome, why)
+        return
+    if retrained := _retrained(champion, measured, passing):
+        crown(retrained)
         return
     if holder is not None and holder.status == "failed":
         mismatch = says_cannot_run_here(holder.error or "")

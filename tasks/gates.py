@@ -2,7 +2,8 @@
 
 Threshold gates judge the candidate against the file's limits (accuracy vs the PyTorch reference,
 validity, performance); the regression gate compares its accuracy with the previous registered
-version of the same (pipeline, precision, target) — never with another precision's numbers. Speed
+version of the same (pipeline, precision, target) measured on the same eval text — never with another
+precision's numbers, nor with figures from another text. Speed
 against the champion is not a gate: it decides who holds the alias (tasks/decide.py).
 
 Timing measured while other processes used the CPU (tasks/hostload.py) judges nothing: the
@@ -15,11 +16,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tasks.metrics import HIGHER_IS_BETTER
 from tasks.outcome import GateResult
 from tasks.spec import PipelineSpec, Threshold
-
-HIGHER_IS_BETTER = ("cosine_mean", "cosine_min", "label_agreement", "top1_agreement", "throughput",
-                    "speedup_vs_reference")
 
 
 def _check(name: str, thresholds: dict[str, Threshold], values: dict[str, float]) -> GateResult:
@@ -63,9 +62,15 @@ def regression_gate(spec: PipelineSpec, metrics: dict[str, float], previous: dic
     The tolerance is relative to the previous value; for errors (lower is better) below 1 it is
     relative to 1, so float noise of 1e-6 against 2e-6 is no regression. A metric the previous
     version lacks is not compared; one this candidate lacks fails (the accuracy gate says so too).
+    Figures measured on other eval data (`other_data`, tasks/registry/versions.py) are not compared: the
+    gate passes and says why.
     """
     if not previous:
         return GateResult("regression", True, ())
+    if previous.get("other_data"):
+        return GateResult("regression", True, (
+            f"not compared: v{previous['version']} of the same precision, and every earlier one, was measured on "
+            f"other eval data ({spec.accuracy.data} or accuracy.samples changed since)",))
     theirs, tolerance, reasons = previous.get("metrics", {}), spec.accuracy.regression_tolerance, []
     for metric in spec.accuracy.gates:
         best = theirs.get(f"accuracy.{metric}")

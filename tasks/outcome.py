@@ -35,6 +35,7 @@ class Champion:
     build_key: str | None
     precision: str | None
     engine_identity: str | None = None  # its engine files' sha256 (tasks/champion.py `same_engine`); None: older ones
+    model_source: str | None = None  # the model files its engine was built from (tasks/champion.py `built_from`)
 
     @property
     def label(self) -> str:

@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tasks import engine_check, killpoints, notify, tracking
+from tasks.champion import built_from
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Decision
 from tasks.spec import PipelineSpec, TargetSpec, registered_model_name
@@ -188,12 +189,12 @@ def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _U
     announcing the engine already in production as a new promotion. Should another process have
     created a version for the same bytes meanwhile (a host outside this lock), the lowest wins.
     """
-    found = tracking.engine_identity(outcome.stages["build"])
-    identity = {tracking.ENGINE_IDENTITY_TAG: found} if found else {}
+    found, source = tracking.engine_identity(outcome.stages["build"]), built_from(outcome.stages)
+    identity = ({tracking.ENGINE_IDENTITY_TAG: found} if found else {}) | ({"model_source": source} if source else {})
     same_engine = _same_engine(name, outcome)
     if same_engine:
-        if identity and tracking.ENGINE_IDENTITY_TAG not in same_engine[0].tags:  # registered before versions had it
-            _refresh_tags(name, same_engine[0].version, identity, undo)
+        if missing := {k: v for k, v in identity.items() if k not in same_engine[0].tags}:  # registered before either
+            _refresh_tags(name, same_engine[0].version, missing, undo)
         _refresh_measurement(spec, name, same_engine[0], outcome, undo)
         return same_engine[0].version
     tags = {"candidate": outcome.candidate.name, "precision": outcome.candidate.precision,

@@ -28,10 +28,11 @@ CHAMPION = Champion("enc-cpu", "3", "run-3", "key-fp32", "fp32")
 
 def candidate(precision: str, *, speedup: float = 2.0, vs_champion: tuple[float, float, float] | None = None,
               conclusive: bool = True, passed: bool = True, key: str | None = None,
-              champion: dict[str, Any] | None = None, comparisons: list[dict[str, Any]] | None = None
-              ) -> CandidateOutcome:
+              champion: dict[str, Any] | None = None, comparisons: list[dict[str, Any]] | None = None,
+              model: str | None = None) -> CandidateOutcome:
     """A gated candidate whose target benchmark measured it at batch 8 (the throughput gate point);
-    `comparisons`: the target's side-by-side ratios, as the benchmark stage shares them."""
+    `comparisons`: the target's side-by-side ratios, as the benchmark stage shares them; `model`: the digest
+    of the model files its export read."""
     point = {"batch": 8, "seq": 16, "p50_ms": 10.0, "speedup_vs_reference": speedup,
              "speedup_vs_reference_ci": [speedup * 0.97, speedup * 1.03], "speedup_vs_reference_conclusive": True}
     if vs_champion is not None:
@@ -40,6 +41,8 @@ def candidate(precision: str, *, speedup: float = 2.0, vs_champion: tuple[float,
     outputs = {"points": [point], "gate_point": point, "champion": champion, "comparisons": comparisons or []}
     stages = {"build": StageResult("enc", "build", key or f"key-{precision}", Path("."), {"outputs": {}}),
               "benchmark": StageResult("enc", "benchmark", "bench", Path("."), {"outputs": outputs})}
+    if model is not None:
+        stages["export"] = StageResult("enc", "export", "export", Path("."), {"outputs": {"model_source": model}})
     gates = [GateResult("accuracy", passed, () if passed else ("cosine_mean 0.9 < min 0.99",))]
     return CandidateOutcome(Candidate("enc", precision, "cpu"), "passed" if passed else "rejected", stages=stages,
                             gates=gates)
@@ -84,6 +87,17 @@ def test_a_first_champion_is_not_crowned_on_noise(lead: tuple[float, float, floa
     else:
         assert result["int8"][2] == "no champion yet: fastest passing candidate"
         assert result["fp32"][2] == "no champion yet: enc/int8/cpu is faster"
+
+
+def test_only_the_tied_candidates_say_a_tie_a_slower_one_says_how_much_slower() -> None:
+    """fp32 and int8 tie, fp32 takes it; fp16 is significantly slower than int8 and is told so, with the ratio."""
+    table = [side_by_side("int8", "fp32", 1.03, 0.97, 1.09), side_by_side("int8", "fp16", 1.28, 1.26, 1.29)]
+    result = run(candidate("fp32", speedup=3.6, comparisons=table), candidate("int8", speedup=3.7, comparisons=table),
+                 candidate("fp16", speedup=2.9, comparisons=table), champion=None)
+    assert result["fp32"][:2] == (True, True)
+    assert result["int8"][2] == "no champion yet: enc/fp32/cpu takes it (a tie on speed)"
+    assert result["fp16"] == (False, False, "no champion yet: enc/fp32/cpu takes it; this one is slower: "
+                                            "0.781x [0.775, 0.794] vs enc/int8/cpu")
 
 
 def test_a_tie_read_the_other_way_round_in_the_table_is_a_tie_too() -> None:
@@ -275,7 +289,7 @@ def test_a_contended_measurement_leaves_candidates_pending_and_the_champion_in_p
     int8 = busy(candidate("int8", vs_champion=(1.40, 1.30, 1.50), champion=measured(label)))
     result = run(fp32, int8)
     assert (fp32.status, int8.status) == ("pending", "pending")
-    assert not result["int8"][0] and result["int8"][2].startswith("pending: machine busy (other processes used 68%")
+    assert not result["int8"][0] and result["int8"][2].startswith("machine busy (other processes used 68%")
     assert result["fp32"][1], "the champion keeps the alias"
     assert not int8.passed_gates, "a pending candidate is not registered"
     gate = next(g for g in int8.gates if g.gate == "performance")
@@ -352,3 +366,32 @@ def test_a_decision_records_the_champion_it_saw_and_the_alias_moved_while_measur
     assert result["int8"][:2] == (False, False)
     assert result["int8"][2].startswith("the champion measured, v4, is not v3, which held the alias when this run "
                                         "started: the alias moved meanwhile; nothing moves")
+
+
+OLD_MODEL, NEW_MODEL = "a" * 52 + "0123456789ab", "b" * 52 + "ba9876543210"
+
+
+@pytest.mark.parametrize("recorded", ["version", "benchmark"])
+def test_a_retrained_model_takes_the_alias_though_it_is_no_faster_than_the_champion(recorded: str) -> None:
+    """The champion's engine came from other model files: today's fastest passing candidate replaces it, whatever
+    the speed comparison says. Its version records the digest, or the benchmark read it in the champion's build."""
+    champion = Champion("enc-cpu", "3", "run-3", "key-fp32", "fp32", model_source=OLD_MODEL if recorded == "version"
+                        else None)
+    seen = measured("champion v3", model_source=OLD_MODEL if recorded == "benchmark" else None)
+    result = run(candidate("fp32", vs_champion=(0.989, 0.97, 1.01), champion=seen, model=NEW_MODEL, key="new-fp32"),
+                 candidate("int8", vs_champion=(0.95, 0.93, 0.97), champion=seen, model=NEW_MODEL),
+                 champion=champion)
+    why = ("champion v3 was built from other model files (…0123456789ab), today's are (…ba9876543210): "
+           "the new model takes the alias")
+    assert result["fp32"] == (True, True, f"{why}: fastest passing candidate")
+    assert result["int8"] == (False, False, f"{why}: enc/fp32/cpu is faster")
+
+
+@pytest.mark.parametrize("champion_model", [None, NEW_MODEL])
+def test_a_champion_of_the_same_or_an_unrecorded_model_is_judged_on_speed(champion_model: str | None) -> None:
+    """Same model files (a toolchain upgrade changed the build key), or a version from before digests were
+    recorded: speed decides, as ever."""
+    champion = Champion("enc-cpu", "3", "run-3", "key-fp32", "fp32", model_source=champion_model)
+    result = run(candidate("fp32", vs_champion=(0.989, 0.97, 1.01), champion=measured("champion v3"), model=NEW_MODEL,
+                           key="new-fp32"), champion=champion)
+    assert result["fp32"][:2] == (False, False) and result["fp32"][2].startswith("not significant: 0.989x")

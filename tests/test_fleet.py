@@ -142,9 +142,11 @@ def test_a_deployed_run_fans_out_to_each_pool_joins_in_mlflow_and_promotes_once(
                                          ["--param", 'targets=["cpu", "edge"]'])
         logs = "\n".join(w.log()[-4000:] for w in workers.values())
         by_id = {r["id"]: r for r in flow_runs(api)}
-        for run_id in (cold_id, warm_id):
-            assert by_id[run_id]["state"]["type"] == "COMPLETED", f"{by_id[run_id]['state']}\n{logs}"
+        # the cold run's candidate on the pool without a worker failed: its flow run says so, as the CLI's exit code would
+        for run_id, ended in ((cold_id, "FAILED"), (warm_id, "COMPLETED")):
+            assert by_id[run_id]["state"]["type"] == ended, f"{by_id[run_id]['state']}\n{logs}"
             assert by_id[run_id]["work_pool_name"] == "cpu" and run_id in workers["cpu"].log()
+        assert by_id[cold_id]["state"]["message"] == "2 promoted, 0 rejected, 0 pending, 1 failed"
         builds = {pool: [r for r in by_id.values() if r["deployment_id"] == registered[f"smelter-build/{pool}"]["id"]]
                   for pool in ("gpu-test", "gpu-nobody")}
         assert len(builds["gpu-test"]) == 2 and all(r["state"]["type"] == "COMPLETED" for r in builds["gpu-test"])
@@ -154,7 +156,7 @@ def test_a_deployed_run_fans_out_to_each_pool_joins_in_mlflow_and_promotes_once(
     finally:
         for worker in workers.values():
             worker.stop()
-    print(f"\nprefect deployment run -> completed, two pools and one without a worker "
+    print(f"\nprefect deployment run -> failed (one pool without a worker), then completed on two pools "
           f"(worker_timeout {WORKER_TIMEOUT_S} s): cold {cold_s:.1f} s; nothing changed, two pools {warm_s:.1f} s")
 
     cold_parent, warm_parent = parent_runs(name)

@@ -85,6 +85,14 @@ def test_accuracy_regression_is_judged_against_the_previous_version_of_the_same_
     assert judge(accuracy(), benchmark(), None)["regression"] == (True, ())
 
 
+def test_accuracy_measured_on_other_eval_data_is_not_compared_and_the_gate_says_why() -> None:
+    """The previous version scored 0.999 on another text: 0.97 on today's is no regression of anything known."""
+    previous = {"version": "3", "other_data": True}
+    passed, reasons = judge(accuracy(cosine_mean=0.97), benchmark(), previous)["regression"]
+    assert passed and reasons == ("not compared: v3 of the same precision, and every earlier one, was measured on "
+                                  "other eval data (data/eval.txt or accuracy.samples changed since)",)
+
+
 def test_a_metric_the_previous_version_had_but_this_one_lacks_fails_the_regression_gate() -> None:
     previous = {"version": "2", "metrics": {"accuracy.cosine_min": 0.98}}
     acc = accuracy()

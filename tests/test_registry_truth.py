@@ -4,6 +4,7 @@ how busy the machine was; an older measurement never overwrites a newer one."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks import tracking
+from tasks.accuracy import eval_data
 from tasks.outcome import CandidateOutcome
 from tasks.promote import promote
 from tasks.spec import PipelineSpec
@@ -69,6 +71,44 @@ def test_a_replaced_measurement_updates_the_versions_tags_description_and_card(t
 
     promote(spec, judged(spec, [first]))  # another host still reading the older measurement
     assert client.get_model_version(name, first.model_version).tags["throughput"] == "480"
+
+
+def test_the_champion_says_which_model_files_its_engine_was_built_from(tmp_path: Path) -> None:
+    """The digest the export read is on the registered version, so a retrained model can supersede it
+    (tasks/decide.py) even where its engine comes from the registry."""
+    spec = pipeline_spec(f"truth-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path)
+    outcome = candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0)
+    with store.writing(spec.name, "export", outcome.stages["build"].key) as w:
+        w.outputs.update({"model_source": "c" * 64})
+    outcome.stages["export"] = w.result
+    promote(spec, judged(spec, [outcome]))
+    assert outcome.status == "promoted" and tracking.champion(spec, "cpu").model_source == "c" * 64
+
+
+def _measured_on(outcome: CandidateOutcome, text: str) -> CandidateOutcome:
+    """The candidate with its accuracy stage's record of the eval text it read (tasks/accuracy.py `eval_data`)."""
+    accuracy = outcome.stages["accuracy"]
+    manifest = accuracy.manifest | {"inputs": accuracy.manifest.get("inputs", {}) | {"eval_data": text}}
+    outcome.stages["accuracy"] = dataclasses.replace(accuracy, manifest=manifest)
+    return outcome
+
+
+def test_accuracy_regressions_are_judged_against_a_version_measured_on_todays_eval_data(tmp_path: Path) -> None:
+    """fp32 v1 read today's text, v2 another: v1 is the yardstick. int8 has only a version measured on another
+    text: none is, and the gate is told so."""
+    spec = pipeline_spec(f"truth-{uuid.uuid4().hex[:8]}")
+    store = ArtifactStore(tmp_path)
+    today, other = eval_data(spec.resolve(spec.accuracy.data), spec.accuracy.samples), "0" * 64 + ":8"
+    same = _measured_on(candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0), today)
+    promote(spec, judged(spec, [same]))
+    promote(spec, judged(spec, [_measured_on(candidate_outcome(store, spec, "fp32", "cpu", throughput=320.0), other)]))
+    found = tracking.previous_version(spec, "cpu", "fp32", build_key="today's")
+    assert found["version"] == same.model_version and found["metrics"]["accuracy.cosine_mean"] == 0.9988
+    int8 = _measured_on(candidate_outcome(store, spec, "int8", "cpu", throughput=500.0), other)
+    promote(spec, judged(spec, [int8]))
+    assert tracking.previous_version(spec, "cpu", "int8", build_key="today's") == {
+        "version": int8.model_version, "other_data": True}
 
 
 def test_a_card_rewrite_replaces_each_section_it_is_given_and_nothing_else() -> None:

@@ -34,3 +34,18 @@ def test_a_command_started_in_another_directory_uses_the_stores_beside_the_file(
 
     refused = _smelter(["validate", "-f", str(pipelines), "--artifacts", ""], elsewhere)
     assert refused.returncode == 2 and "--artifacts : expected a directory path" in refused.stderr
+
+
+def test_a_new_experiment_keeps_its_artifacts_beside_a_store_outside_the_working_directory(
+        tmp_path: Path, monkeypatch) -> None:
+    from tasks.registry.runs import _artifacts_beside_the_store
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir(), elsewhere.mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
+    monkeypatch.chdir(elsewhere)
+    assert _artifacts_beside_the_store("smelter/enc") == (project / "mlruns" / "smelter-enc").as_uri()
+    monkeypatch.chdir(project)  # MLflow's own default, ./mlruns, is already beside it
+    assert _artifacts_beside_the_store("smelter/enc") is None
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")  # a server keeps its own artifacts
+    assert _artifacts_beside_the_store("smelter/enc") is None

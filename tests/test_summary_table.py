@@ -3,7 +3,10 @@ reason speaks of, at the point it was measured."""
 
 from __future__ import annotations
 
+import pytest
+
 from flows.cli import summary_table
+from tasks.benchmark import LatencySamples
 from tasks.spec import load
 
 
@@ -57,11 +60,11 @@ def test_a_champion_judged_pending_or_failing_today_shows_the_version_that_keeps
     specs = load(pipeline_factory(tiny_bert_dir, "feature-extraction", name="enc"))
     pending, rejected, other = summary_table([
         _summary("enc/fp32/cpu", "pending", decision={
-            "reason": "pending: machine busy (champion v1 keeps the alias)", "holds_alias": True, "champion": "1"}),
+            "reason": "machine busy (champion v1 keeps the alias)", "holds_alias": True, "champion": "1"}),
         _summary("enc/int8/cpu", "rejected", decision={
             "reason": "p99_ms 61 > 50 (still holds the alias: no passing candidate can replace it)",
             "holds_alias": True, "champion": "4"}),
-        _summary("enc/fp16/cpu", "pending", decision={"reason": "pending: machine busy", "holds_alias": False,
+        _summary("enc/fp16/cpu", "pending", decision={"reason": "machine busy", "holds_alias": False,
                                                       "champion": "1"}),
     ], specs).splitlines()[1:]
     assert " v1 @champion " in pending, "the pending candidate is the champion's engine: its version and alias"
@@ -75,3 +78,10 @@ def test_a_reason_spanning_lines_keeps_its_row_on_one_line(pipeline_factory, tin
              "for input: past_key_values.1.key for the following indices\n index: 1 Got: 2 Expected: 1\n")
     rows = summary_table([_summary("enc/fp32/cpu", "failed", error=error)], specs).splitlines()
     assert len(rows) == 2 and rows[1].endswith("index: 1 Got: 2 Expected: 1")
+
+
+def test_the_throughput_shown_is_read_from_the_median_call_as_decisions_read_medians() -> None:
+    """Nine calls of 10 ms and one of 1 s: the engine runs at 800 samples/s at batch 8; a mean would show 73."""
+    summary = LatencySamples([10.0] * 9 + [1000.0]).summary(batch=8, tokens_per_call=8 * 128)
+    assert summary["throughput"] == pytest.approx(800.0) and summary["tokens_per_s"] == pytest.approx(800.0 * 128)
+    assert summary["mean_ms"] == pytest.approx(109.0), "the mean is still reported, as what it is"

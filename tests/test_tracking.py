@@ -14,6 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks import tracking
+from tasks.outcome import Decision, GateResult
 from tasks.store import ArtifactStore
 from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
 
@@ -112,6 +113,27 @@ def test_rejected_and_failed_candidates_are_logged_with_reasons(tmp_path: Path) 
     files = _artifact_files(client, failed_id)
     assert "stages/validate/report.json" in files and not any(f.startswith("engine/") for f in files)
     assert "invalid graph" in mlflow.artifacts.load_text(f"runs:/{failed_id}/engine_card.md")
+
+
+def test_a_candidate_timed_on_a_busy_machine_is_pending_not_a_gate_failure(tmp_path: Path) -> None:
+    """Its run's gate tag, its engine card and the parent run's description say pending, never failed or none."""
+    spec = pipeline_spec(_unique("track"))
+    outcome = candidate_outcome(ArtifactStore(tmp_path / "artifacts"), spec, "int8", "cpu", throughput=400.0)
+    busy = "machine busy (other processes used 68% of the CPU while it was timed); speed not judged"
+    outcome.status, outcome.decision = "pending", Decision(busy)
+    outcome.gates = [GateResult("accuracy", True), GateResult("performance", False, (f"inconclusive: {busy}",),
+                                                              inconclusive=True)]
+    with tracking.pipeline_run(spec, "nightly-1", {}) as parent_id:
+        child_id = tracking.log_candidate(parent_id, spec, outcome)
+        tracking.record_gates(child_id, outcome)
+        tracking.finish_candidate(child_id, spec, outcome)
+        tracking.describe_pipeline_run(parent_id, [outcome])
+
+    client = MlflowClient()
+    assert client.get_run(child_id).data.tags["gate"] == "pending"
+    card = mlflow.artifacts.load_text(f"runs:/{child_id}/engine_card.md")
+    assert "Status: **pending**\n" in card and "gates failed" not in card
+    assert client.get_run(parent_id).data.tags["mlflow.note.content"].startswith("1 pending.")
 
 
 def test_a_cached_engine_already_uploaded_by_an_earlier_run_is_not_uploaded_again(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from tasks.outcome import CandidateOutcome
 from tasks.registry.card import engine_card
 from tasks.registry.client import _client
 from tasks.registry.runs import (DESCRIPTION_TAG, MAX_TAG_CHARS, OWNER_TAG, _ended_by, _experiment_id,
-                                 candidate_description, candidate_params, candidate_tags, headline_metrics,
+                                 candidate_description, candidate_params, candidate_tags, gate_tag, headline_metrics,
                                  owner_tag, rounded, stage_seconds)
 from tasks.registry.uploads import _log_engine
 from tasks.spec import Candidate, PipelineSpec
@@ -168,7 +168,7 @@ def candidate_outcome(run_id: str, store_root: Path) -> CandidateOutcome | None:
 
 def record_gates(run_id: str, outcome: CandidateOutcome) -> None:
     """The parent's gate verdict on a run a build logged before it was judged."""
-    tags = {"gate": "passed" if outcome.passed_gates else "failed", "status": outcome.status,
+    tags = {"gate": gate_tag(outcome), "status": outcome.status,
             "gate_reasons": "; ".join(outcome.gate_reasons)[:MAX_TAG_CHARS]}
     client = _client()
     for key, value in tags.items():

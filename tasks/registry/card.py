@@ -18,7 +18,7 @@ from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.registry.client import _client
 from tasks.registry.runs import (DESCRIPTION_TAG, MAX_TAG_CHARS, SUMMARY_FIGURE, _log_bytes, candidate_description,
-                                 candidate_tags)
+                                 candidate_tags, gate_tag)
 from tasks.registry.versions import measured_sentence, measurement
 from tasks.spec import PipelineSpec
 
@@ -31,7 +31,8 @@ def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str
     (a path or a data: URI) of the run's summary figure, shown under the verdict."""
     tags = candidate_tags(spec, outcome)
     lines = [f"# {outcome.candidate.name}", "",
-             f"Status: **{outcome.status}**, gates {tags['gate']}", "", f"Why: {outcome.reason}", ""]
+             f"Status: **{outcome.status}**" + ("" if tags["gate"] == "pending" else f", gates {tags['gate']}"), "",
+             f"Why: {outcome.reason}", ""]
     if figure:
         lines += [f"![every candidate of this run: speedup vs PyTorch, gate, champion]({figure})", ""]
     if outcome.model_version:
@@ -113,7 +114,7 @@ def restore_card(run_id: str, text: str) -> None:
 def finish_candidate(run_id: str, spec: PipelineSpec, outcome: CandidateOutcome, figure: bytes | None = None) -> None:
     """Record what was decided on the candidate's run: final status, the reason, the engine card (as
     markdown, and as HTML with the run's summary figure `figure` inside, which the UI shows as a page)."""
-    tags = {"status": outcome.status, "decision_reason": outcome.reason[:MAX_TAG_CHARS],
+    tags = {"status": outcome.status, "gate": gate_tag(outcome), "decision_reason": outcome.reason[:MAX_TAG_CHARS],
             DESCRIPTION_TAG: candidate_description(outcome)}
     if outcome.model_name:
         tags |= {"registered_model": outcome.model_name, "model_version": str(outcome.model_version)}

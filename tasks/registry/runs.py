@@ -25,7 +25,7 @@ from tasks import killpoints
 from tasks.holder import Holder, machine_id
 from tasks.outcome import CandidateOutcome
 from tasks.redact import redacted_url
-from tasks.registry.client import _client, tracking_server
+from tasks.registry.client import _client, tracking_server, tracking_uri
 from tasks.spec import PipelineSpec
 from tasks.store import StageResult
 
@@ -39,6 +39,10 @@ OWNER_TAG = "smelter.owner"  # "<host> <pid> <process start>": who may still be 
 # MLflow 3.17's UI picks an experiment's page by its GenAI / Model training switch (default GenAI: traces),
 # not by the experiment's kind tag; this query selects runs, and the UI remembers it
 UI_TRAINING_VIEW = "workflowType=machine_learning"
+# The text a candidate's accuracy was measured on (tasks/accuracy.py `eval_data`): regressions compare like for like
+EVAL_DATA_TAG = "eval_data"
+# The stages that make an engine: the parent's `rebuilt` tag says whether any ran (a re-measurement is no rebuild)
+ENGINE_STAGES = ("export", "precision", "build")
 SUMMARY_FIGURE = "summary.png"  # speedup of every candidate of a run, on the parent run and each engine card
 
 
@@ -88,11 +92,26 @@ def _experiment_id(client: MlflowClient, pipeline: str) -> str:
             client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return found.experiment_id
     try:
-        return client.create_experiment(name, tags={"pipeline": pipeline, EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        return client.create_experiment(name, _artifacts_beside_the_store(name),
+                                        tags={"pipeline": pipeline, EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
         return client.get_experiment_by_name(name).experiment_id
+
+
+def _artifacts_beside_the_store(experiment: str) -> str | None:
+    """Where a new experiment keeps its artifacts when its store is a SQLite file outside the working
+    directory (smelter run from elsewhere: flows/cli.py keeps the stores beside the pipelines file): in
+    mlruns/ beside that file, not MLflow's default ./mlruns of the working directory, which would split
+    the project's artifacts. None (MLflow's default) otherwise."""
+    uri = tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        return None
+    beside = Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlruns"
+    if beside == (Path.cwd() / "mlruns").resolve():
+        return None
+    return (beside / experiment.replace("/", "-")).as_uri()
 
 
 def _model_tag(spec: PipelineSpec) -> str:
@@ -106,7 +125,7 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
         for key, inner in value.items():
             flat |= flatten(inner, f"{prefix}.{key}" if prefix else str(key))
         return flat
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = value if isinstance(value, str) else json.dumps(value, default=str, ensure_ascii=False)
     return {prefix: text[:MAX_PARAM_CHARS]}
 
 
@@ -154,6 +173,14 @@ def _arch(spec: PipelineSpec, outcome: CandidateOutcome) -> str:
     return f"cpu-{hardware.get('machine') or host.get('machine') or platform.machine()}"
 
 
+def gate_tag(outcome: CandidateOutcome) -> str:
+    """A run's `gate` tag: `pending` when no verdict is in, as a build logged before it was gated, or a candidate
+    timed on a busy machine (status `pending`: speed not judged); neither failed a gate."""
+    if outcome.passed_gates:
+        return "passed"
+    return "pending" if outcome.status == "pending" or outcome.status == "passed" and not outcome.gates else "failed"
+
+
 def candidate_tags(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, str]:
     candidate = outcome.candidate
     target = spec.target(candidate.target)
@@ -162,13 +189,14 @@ def candidate_tags(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, s
         "candidate": candidate.name, "pipeline": candidate.pipeline, "model": _model_tag(spec),
         "precision": candidate.precision, "target": candidate.target, "arch": _arch(spec, outcome),
         "backend": build.outputs.get("backend", target.backend) if build else target.backend,
-        "gate": "passed" if outcome.passed_gates else "pending" if outcome.status == "passed" and not outcome.gates
-        else "failed",
+        "gate": gate_tag(outcome),
         "gate_reasons": "; ".join(outcome.gate_reasons), "status": outcome.status,
         "rebuilt": ",".join(name for name, stage in outcome.stages.items() if not stage.cached) or "none",
     }
     if build:
         tags |= {"backend_version": str(build.outputs.get("backend_version", "")), "cache_key": build.key}
+    if (accuracy := outcome.stages.get("accuracy")) and (data := accuracy.manifest.get("inputs", {}).get("eval_data")):
+        tags[EVAL_DATA_TAG] = data
     if (benchmark := outcome.stages.get("benchmark")) and (host := benchmark.outputs.get("host")):
         tags |= {"bench.cpu": str(host.get("cpu")), "bench.contended": str(host.get("contended")).lower(),
                  "bench.load": f"{host.get('load_start')} -> {host.get('load_end')}",
@@ -262,9 +290,9 @@ def describe_pipeline_run(parent_run_id: str, outcomes: list[CandidateOutcome]) 
     lines = ["| candidate | status | version | reason |", "|---|---|---|---|"]
     for o in outcomes:
         lines.append(f"| {o.candidate.name} | {o.status} | {o.model_version or '-'} | {o.reason.replace('|', '/')} |")
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("promoted", "passed", "rejected", "failed")}
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("promoted", "passed", "pending", "rejected", "failed")}
     head = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no candidates"
-    rebuilt = any(not stage.cached for o in outcomes for stage in o.stages.values())
+    rebuilt = any(not stage.cached for o in outcomes for name, stage in o.stages.items() if name in ENGINE_STAGES)
     client = _client()
     client.set_tag(parent_run_id, DESCRIPTION_TAG, f"{head}.\n\n" + "\n".join(lines))
     client.set_tag(parent_run_id, "rebuilt", str(rebuilt).lower())

@@ -16,8 +16,10 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 
+from tasks.accuracy import eval_data
 from tasks.outcome import CandidateOutcome, Champion
 from tasks.registry.client import _client
+from tasks.registry.runs import EVAL_DATA_TAG
 from tasks.spec import PipelineSpec, registered_model_name
 from tasks.store import StageResult
 
@@ -92,12 +94,15 @@ def as_champion(name: str, found: Any) -> Champion:
     """A registered version (MLflow's, or a RegisteredVersion) as the engine record benchmarks fetch and time."""
     return Champion(registered_model=name, version=str(found.version), run_id=found.run_id,
                     build_key=found.tags.get("cache_key") or None, precision=found.tags.get("precision"),
-                    engine_identity=found.tags.get(ENGINE_IDENTITY_TAG) or None)
+                    engine_identity=found.tags.get(ENGINE_IDENTITY_TAG) or None,
+                    model_source=found.tags.get("model_source") or None)
 
 
 def previous_version(spec: PipelineSpec, target_name: str, precision: str, build_key: str | None) -> dict[str, Any] | None:
-    """The newest registered version of the same (pipeline, precision, target) built from another key, with
-    its run's metrics: what the accuracy regression gate compares with."""
+    """The newest registered version of the same (pipeline, precision, target) built from another key and measured
+    on today's eval data (its run's EVAL_DATA_TAG; a run from before that was recorded counts as such), with its
+    run's metrics: what the accuracy regression gate compares with. When every such version was measured on other
+    data, the newest of them with `other_data` set instead: figures from another text are no yardstick."""
     name = registered_model_name(spec.name, target_name)
     try:
         versions = find_versions(name, {"precision": precision})
@@ -108,8 +113,12 @@ def previous_version(spec: PipelineSpec, target_name: str, precision: str, build
     others = [v for v in versions if v.tags.get("cache_key") != build_key]
     if not others:
         return None
-    newest = others[-1]
-    return {"version": newest.version, "metrics": dict(_client().get_run(newest.run_id).data.metrics)}
+    today, client = eval_data(spec.resolve(spec.accuracy.data), spec.accuracy.samples), _client()
+    for version in reversed(others):
+        run = client.get_run(version.run_id)
+        if run.data.tags.get(EVAL_DATA_TAG, today) == today:
+            return {"version": version.version, "metrics": dict(run.data.metrics)}
+    return {"version": others[-1].version, "other_data": True}
 
 
 @dataclass(frozen=True)
