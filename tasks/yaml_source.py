@@ -148,6 +148,8 @@ def _located(error: yaml.YAMLError, text: str, loader: _BoundedLoader) -> YamlPr
         mark = error.context_mark  # an unclosed quote or bracket: where it was opened, not the file's end
     line = mark.line + 1 if mark else 1
     message = clip(f"{problem} ({context})" if context else problem)
+    if mark and "cannot start any token" in problem and text[mark.index:mark.index + 1] == "\t":
+        message += "; it is a tab: YAML indents with spaces"
     if isinstance(error, yaml.scanner.ScannerError | yaml.parser.ParserError):
         return YamlProblem(line, loader.error_path or _key_at(text, line), f"YAML syntax error: {message}")
     key = loader.error_path or (loader.path_at(mark) if mark else "") or "(top level)"

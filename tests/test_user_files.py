@@ -191,3 +191,20 @@ def test_a_benchmark_shape_listed_twice_is_refused_like_a_precision(workdir: Pat
     unordered = write(workdir, PIPELINE.replace("{batch_sizes: [1, 4], seq_lens: [16]",
                                                 "{batch_sizes: [4, 1], seq_lens: [16, 8]"))
     assert load(unordered).pipelines["enc"].benchmark.batch_sizes == [4, 1]
+
+
+def test_a_tab_that_indents_is_named_as_a_tab(workdir: Path) -> None:
+    path = write(workdir, PIPELINE.replace("    precisions:", "\tprecisions:"))
+    with pytest.raises(SpecError) as err:
+        load(path)
+    (line,) = err.value.problems
+    assert line.startswith(f"{path}:{line_of(path, 'precisions')}:") and line.endswith(
+        "it is a tab: YAML indents with spaces"), line
+
+
+def test_accuracy_read_on_the_calibration_text_is_a_warning(workdir: Path) -> None:
+    path = write(workdir, PIPELINE.replace("data: eval.txt", "data: data/calibration.txt"))
+    (warning,) = [w for w in load(path).warnings if "accuracy.data" in w]
+    assert "is calibration.data too: the accuracy gates would judge int8 or fp8 on the text they were calibrated on" \
+        in warning, warning
+    assert not [w for w in load(write(workdir)).warnings if "calibration.data too" in w]

@@ -72,13 +72,26 @@ class Checks:
 
 def check(spec: PipelineSpec, *, allow_outside_paths: bool, check_env: bool) -> Checks:
     found = Checks(problems=_data_problems(spec, allow_outside_paths),
-                   warnings=_idle_precision_settings(spec) + _calibration_shape_warnings(spec))
+                   warnings=_idle_precision_settings(spec) + _calibration_shape_warnings(spec) + _same_text(spec))
     _check_model(spec, found)
     if check_env:
         found.problems += [(("promotion", "webhooks", i, "secret_env"), f"environment variable {hook.secret_env} "
                                                                         "is not set")
                            for i, hook in enumerate(spec.promotion.webhooks) if not os.environ.get(hook.secret_env)]
     return found
+
+
+def _same_text(spec: PipelineSpec) -> list[Located]:
+    """Accuracy measured on the text int8 or fp8 was calibrated on is not held out: it flatters the engine."""
+    try:
+        same = spec.calibrates() and spec.resolve(spec.accuracy.data).resolve() == \
+            spec.resolve(spec.calibration.data).resolve()
+    except (OSError, RuntimeError):  # a missing package or a symlink loop: the data checks say so
+        return []
+    if not same:
+        return []
+    return [(("accuracy", "data"), f"{shown(spec.accuracy.data)} is calibration.data too: the accuracy gates would "
+                                   "judge int8 or fp8 on the text they were calibrated on, not on held-out text")]
 
 
 def _idle_precision_settings(spec: PipelineSpec) -> list[Located]:
