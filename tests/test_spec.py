@@ -24,6 +24,7 @@ from tasks.backends.table import BACKENDS
 from tasks.backends.tensorrt_target import TensorRTTarget
 from tasks.config.bounds import PRECISIONS
 from tasks.spec import TARGET_CLASSES, SpecError, load, parse_bytes, select
+from tests.fixtures.project_files import header_only_project
 
 VALID = """\
 defaults:
@@ -51,16 +52,7 @@ GPU_TARGETS = """\
 
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "bert", "max_position_embeddings": 512}))
-    header = b'{"w": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}'
-    (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
-    (model / "tokenizer.json").write_text("{}")  # the checks read file headers, never load a tokenizer
-    (tmp_path / "eval.txt").write_text("one sentence\nanother sentence\n")
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "calibration.txt").write_text("calibration text\nmore calibration text\n")
-    return tmp_path
+    return header_only_project(tmp_path)
 
 
 def write(workdir: Path, text: str, name: str = "pipelines.yaml") -> Path:

@@ -6,7 +6,6 @@ neighbour of each case still loads. Models here are a config.json and file heade
 
 from __future__ import annotations
 
-import json
 import re
 import textwrap
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 from tasks.inputs import read_texts
 from tasks.spec import SpecError, load
+from tests.fixtures.project_files import header_only_project
 
 PIPELINE = """\
 defaults:
@@ -36,16 +36,7 @@ COSINE = "{cosine_mean: {min: 0.99}}"
 
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "bert", "max_position_embeddings": 512}))
-    header = b'{"w": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}'
-    (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
-    (model / "tokenizer.json").write_text("{}")  # the checks read file headers, never load a tokenizer
-    (tmp_path / "eval.txt").write_text("one sentence\nanother sentence\n")
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "calibration.txt").write_text("calibration text\nmore calibration text\n")
-    return tmp_path
+    return header_only_project(tmp_path)
 
 
 def write(workdir: Path, text: str = PIPELINE, *, task: str = "feature-extraction", gates: str = COSINE,
