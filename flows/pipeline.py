@@ -29,6 +29,7 @@ from flows import events, fleet, progress
 from flows.stages import run_step
 from tasks import (benchmark, decide, engine_check, gates, graph, notify, promote, scratch, summary_figure,
                    tracking, triton)
+from tasks.accuracy import measured_on
 from tasks.champion import champion_build
 from tasks.error_text import described
 from tasks.metrics import key_metrics, stage_metrics
@@ -138,7 +139,7 @@ def _gate(judged: _Judging, step: graph.Step) -> None:
         return
     if outcome.status != "failed":
         previous = tracking.previous_version(judged.spec, outcome.candidate.target, outcome.candidate.precision,
-                                             outcome.cache_key)
+                                             outcome.cache_key, measured_on(outcome.stages.get("accuracy")))
         outcome = gate_task.with_options(task_run_name=f"{step.node}/gate")(judged.spec, outcome, previous)
     try:
         tracking.record_gates(outcome.run_id, outcome)

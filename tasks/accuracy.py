@@ -62,6 +62,12 @@ def eval_data(data_path: Path, samples: int) -> str:
     return f"{file_digest(data_path)}:{samples}"
 
 
+def measured_on(accuracy: StageResult | None) -> str | None:
+    """The eval text an accuracy result was measured on (`eval_data`), as its stage recorded it; None for a result
+    from before that was recorded."""
+    return (accuracy.manifest.get("inputs") or {}).get("eval_data") if accuracy else None
+
+
 def accuracy_key(build_result: StageResult, spec: PipelineSpec) -> str:
     """Hash of the engine, the accuracy settings (not the gates, which only read metrics) and the eval text."""
     return accuracy_work(AccuracyConfig.of(spec), build_result, None).key

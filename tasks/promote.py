@@ -190,7 +190,8 @@ def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _U
     created a version for the same bytes meanwhile (a host outside this lock), the lowest wins.
     """
     found, source = tracking.engine_identity(outcome.stages["build"]), built_from(outcome.stages)
-    identity = ({tracking.ENGINE_IDENTITY_TAG: found} if found else {}) | ({"model_source": source} if source else {})
+    identity = (({tracking.ENGINE_IDENTITY_TAG: found} if found else {})
+                | ({tracking.MODEL_SOURCE_TAG: source} if source else {}))
     same_engine = _same_engine(name, outcome)
     if same_engine:
         if missing := {k: v for k, v in identity.items() if k not in same_engine[0].tags}:  # registered before either

@@ -22,8 +22,8 @@ from tasks.registry.runs import (MAX_TAG_CHARS, OWNER_TAG, describe_pipeline_run
 from tasks.registry.uploads import (engine_check_verdict, engine_dir, engine_source, hold_engine_files,
                                     record_engine_check, uploaded_engine_digest)
 from tasks.registry.versions import (ENGINE_IDENTITY_TAG, MEASURED_AT, MEASURED_CONTENDED, MEASURED_CPU_SHARE,
-                                     MEASURED_RUN, RegisteredVersion, alias_version, as_champion, champion,
-                                     delete_alias, delete_registered_model, delete_version,
+                                     MEASURED_RUN, MODEL_SOURCE_TAG, RegisteredVersion, alias_version, as_champion,
+                                     champion, delete_alias, delete_registered_model, delete_version,
                                      delete_version_tag, download_version, engine_identity,
                                      find_version, find_versions, get_version, measured_sentence, measurement,
                                      previous_version, registered_model_exists, restore_registered_model, set_alias,

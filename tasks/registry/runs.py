@@ -22,6 +22,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from tasks import killpoints
+from tasks.accuracy import measured_on
 from tasks.holder import Holder, machine_id
 from tasks.outcome import CandidateOutcome
 from tasks.redact import redacted_url
@@ -195,7 +196,7 @@ def candidate_tags(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, s
     }
     if build:
         tags |= {"backend_version": str(build.outputs.get("backend_version", "")), "cache_key": build.key}
-    if (accuracy := outcome.stages.get("accuracy")) and (data := accuracy.manifest.get("inputs", {}).get("eval_data")):
+    if data := measured_on(outcome.stages.get("accuracy")):
         tags[EVAL_DATA_TAG] = data
     if (benchmark := outcome.stages.get("benchmark")) and (host := benchmark.outputs.get("host")):
         tags |= {"bench.cpu": str(host.get("cpu")), "bench.contended": str(host.get("contended")).lower(),

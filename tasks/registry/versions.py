@@ -16,13 +16,13 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 
-from tasks.accuracy import eval_data
 from tasks.outcome import CandidateOutcome, Champion
 from tasks.registry.client import _client
 from tasks.registry.runs import EVAL_DATA_TAG
 from tasks.spec import PipelineSpec, registered_model_name
 from tasks.store import StageResult
 
+MODEL_SOURCE_TAG = "model_source"  # the model files its engine was built from (tasks/champion.py `built_from`)
 ENGINE_IDENTITY_TAG = "engine_identity"  # a registry version's identity: `engine_identity`, its engine files' sha256
 ENGINE_SIDECAR = "engine.json"  # what every backend writes beside its engine (tasks/backends: SIDECAR), build times too
 OUTBOX_TAG = "smelter.events"  # a version's promotion events (tasks/notify.py writes it)
@@ -95,14 +95,16 @@ def as_champion(name: str, found: Any) -> Champion:
     return Champion(registered_model=name, version=str(found.version), run_id=found.run_id,
                     build_key=found.tags.get("cache_key") or None, precision=found.tags.get("precision"),
                     engine_identity=found.tags.get(ENGINE_IDENTITY_TAG) or None,
-                    model_source=found.tags.get("model_source") or None)
+                    model_source=found.tags.get(MODEL_SOURCE_TAG) or None)
 
 
-def previous_version(spec: PipelineSpec, target_name: str, precision: str, build_key: str | None) -> dict[str, Any] | None:
+def previous_version(spec: PipelineSpec, target_name: str, precision: str, build_key: str | None,
+                     eval_text: str | None) -> dict[str, Any] | None:
     """The newest registered version of the same (pipeline, precision, target) built from another key and measured
-    on today's eval data (its run's EVAL_DATA_TAG; a run from before that was recorded counts as such), with its
-    run's metrics: what the accuracy regression gate compares with. When every such version was measured on other
-    data, the newest of them with `other_data` set instead: figures from another text are no yardstick."""
+    on `eval_text`, the text today's candidate was measured on (its run's EVAL_DATA_TAG; a run from before that was
+    recorded, or a candidate without the record, counts as such), with its run's metrics: what the accuracy
+    regression gate compares with. When every such version was measured on other text, the newest of them with
+    `other_data` set instead: figures from another text are no yardstick."""
     name = registered_model_name(spec.name, target_name)
     try:
         versions = find_versions(name, {"precision": precision})
@@ -113,10 +115,10 @@ def previous_version(spec: PipelineSpec, target_name: str, precision: str, build
     others = [v for v in versions if v.tags.get("cache_key") != build_key]
     if not others:
         return None
-    today, client = eval_data(spec.resolve(spec.accuracy.data), spec.accuracy.samples), _client()
+    client = _client()
     for version in reversed(others):
         run = client.get_run(version.run_id)
-        if run.data.tags.get(EVAL_DATA_TAG, today) == today:
+        if eval_text is None or run.data.tags.get(EVAL_DATA_TAG, eval_text) == eval_text:
             return {"version": version.version, "metrics": dict(run.data.metrics)}
     return {"version": others[-1].version, "other_data": True}
 
