@@ -80,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("version_a", help="the baseline version")
     compare.add_argument("version_b", help="the version compared with it")
     compare.add_argument("--batch", type=int, help="batch size (default: the pipeline's gate point)")
-    compare.add_argument("--seq", type=int, help="sequence length (default: the pipeline's gate point)")
+    compare.add_argument("--seq", type=int, help="sequence length of a prefill (default: the pipeline's gate point, "
+                         "which may be a decode step)")
     compare.add_argument("--json", action="store_true", help="print the result as one JSON object")
     capacity = with_file(sub.add_parser("capacity", help="GPUs that serve N tokens/day with a registered engine"),
                          select=False)
@@ -412,13 +413,13 @@ def _version(summary: dict[str, Any], specs: Any) -> str:
     return f"v{version}" + (f" @{alias}" if holds else "")
 
 
-def _point(summary: dict[str, Any], specs: Any) -> str:
-    """The pipeline's gate point as `batch 8 × seq 128`: where its gates, objective and decisions are read."""
+def _point(summary: dict[str, Any], specs: Any, short: bool = False) -> str:
+    """The pipeline's gate point (`batch 8 × seq 128`, `decode step batch 4 × past 64`): where its gates, objective
+    and decisions are read."""
+    from tasks.spec import point_words
+
     spec = specs.pipelines.get(summary["pipeline"])
-    if spec is None:
-        return ""
-    point = spec.gate_point
-    return f"batch {point['batch']} × seq {point['seq']}" if {"batch", "seq"} <= point.keys() else ""
+    return point_words(spec.gate_point, short) if spec is not None else ""
 
 
 def _key_metric(summary: dict[str, Any], specs: Any) -> str:
@@ -435,7 +436,7 @@ def _key_metric(summary: dict[str, Any], specs: Any) -> str:
         value = f"{versus['ratio']:.3g}x vs v{versus.get('version')}" + (f", {value}" if value else "")
     if not value:
         return "-"
-    compact = _point(summary, specs).replace("batch ", "b").replace(" × seq ", "×s")
+    compact = _point(summary, specs, short=True)
     return (f"{value} @ {compact}" if compact else value) + "".join(f" [{flag}]" for flag in _doubts(summary))
 
 
@@ -488,8 +489,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return EXIT_OK
     low, high = result["ci"]
     verdict = "conclusive" if result["conclusive"] else "inconclusive"
-    print(f"{result['registered_model']} v{result['b']} vs v{result['a']} at batch {result['batch']} x seq "
-          f"{result['seq']}: v{result['b']} is {result['ratio']:.3g}x as fast [{low:.3g}, {high:.3g}] "
+    print(f"{result['registered_model']} v{result['b']} vs v{result['a']} at {result['at']}: "
+          f"v{result['b']} is {result['ratio']:.3g}x as fast [{low:.3g}, {high:.3g}] "
           f"(95% interval, {result['rounds']} rounds in {result['seconds']} s, {verdict}; "
           f"other processes used {result['host']['foreign_cpu_share']:.0%} of the CPU)")
     return EXIT_OK

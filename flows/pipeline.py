@@ -34,7 +34,7 @@ from tasks.champion import champion_build
 from tasks.error_text import described
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion, tally
-from tasks.spec import Candidate, PipelineSpec, PipelinesFile, load
+from tasks.spec import Candidate, PipelineSpec, PipelinesFile, load, point_words
 from tasks.store import TOOL_CACHES, ArtifactStore, StageResult
 
 
@@ -337,7 +337,8 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
     scratch.activate()
     _quiet_libraries()
     run_name = f"{pipeline}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-    with tracking.pipeline_run(spec, run_name, params={"file": file, "force": force}) as parent_run_id:
+    params = {"file": file, "force": force, "gate_point": point_words(spec.gate_point)}
+    with tracking.pipeline_run(spec, run_name, params=params) as parent_run_id:
         chosen = list(dict.fromkeys(c.target for c in candidates))
         champions = {t: tracking.champion(spec, t) for t in chosen}
         build_parameters = {"file": file, "pipeline": pipeline, "precisions": precisions, "force": force,

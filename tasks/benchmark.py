@@ -35,7 +35,7 @@ from tasks.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read
 from tasks.measure import Contender, Rounds, measure_rounds
 from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.outcome import Champion
-from tasks.spec import BenchmarkSpec, ModelSpec, PipelineSpec, ProfileSpec, TargetSpec
+from tasks.spec import BenchmarkSpec, ModelSpec, PipelineSpec, ProfileSpec, TargetSpec, is_gate_point
 from tasks.stage import KeepPublished, Work, run_stage
 from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, host_facts, tool_versions
 from tasks.tracking import engine_identity
@@ -196,7 +196,7 @@ def for_candidate(result: StageResult, candidate: str, champion: Champion | None
         mine = {key: [row | _vs(comparisons, row, candidate, label, key == "decode") for row in rows]
                 for key, rows in mine.items() if key != "gate_point"}
         at = result.outputs["engines"][candidate]["gate_point"]
-        mine["gate_point"] = next(p for p in mine["points"] if (p["batch"], p["seq"]) == (at["batch"], at["seq"]))
+        mine["gate_point"] = next(row for row in mine["points"] + mine.get("decode", []) if is_gate_point(row, at))
     return replace(result, manifest=result.manifest | {"outputs": outputs | mine})
 
 
@@ -283,9 +283,8 @@ def point_budget(config: BenchmarkConfig, point: dict[str, int]) -> tuple[float,
     """(fewest, most) seconds one point's rounds take: the gate point, which gates and decisions read,
     spans at least `min_seconds` and gets `max_seconds` to reach ±precision; every other point
     describes the engine and gets `survey_seconds`, stopping as soon as it is conclusive."""
-    at = config.gate_point
     settings = config.settings
-    if not point["decode"] and (point["batch"], point["seq"]) == (at["batch"], at["seq"]):
+    if is_gate_point(point, config.gate_point):
         return settings.min_seconds, settings.max_seconds
     return 0.0, settings.survey_seconds
 
@@ -297,8 +296,7 @@ def _engine_outputs(config: BenchmarkConfig, name: str,
     for point, rounds in measured:
         row = _row(point, rounds, name, config.settings.precision)
         (decode if point["decode"] else points).append(row)
-    at = config.gate_point
-    gate = next(p for p in points if p["batch"] == at["batch"] and p["seq"] == at["seq"])
+    gate = next(row for row in points + decode if is_gate_point(row, config.gate_point))
     return {"points": points, "gate_point": gate} | ({"decode": decode} if config.source.model.is_decoder else {})
 
 
@@ -360,6 +358,14 @@ def prefill_past(model: ModelSpec, profiles: Sequence[ProfileSpec]) -> int:
     return min(p.past[0] for p in profiles) if model.has_past else 0
 
 
+def fed_shape(model: ModelSpec, batch: int, seq: int, past: int) -> dict[str, int]:
+    """The shape an engine is fed for `seq` new tokens after `past`: without a KV cache a decode step re-reads the
+    whole prefix (past + 1 tokens, no cache)."""
+    if past and not model.has_past:
+        seq, past = past + 1, 0
+    return {"batch": batch, "seq": seq, "past": past}
+
+
 class _Bench:
     """Feeds and timed calls for the engines and the reference at one shape point."""
 
@@ -372,11 +378,8 @@ class _Bench:
         self.input_names = sorted({name for runner in runners.values() for name in runner.input_names})
 
     def feeds(self, batch: int, seq: int, past: int) -> dict[str, np.ndarray]:
-        if past and not self.model.has_past:
-            # Without a KV cache a decode step re-reads the whole prefix: past + 1 tokens, no cache.
-            seq, past = past + 1, 0
-        return point_feeds(self.model, self.tokenizer, self.reference, self.texts,
-                           {"batch": batch, "seq": seq, "past": past}, self.input_names)
+        shape = fed_shape(self.model, batch, seq, past)
+        return point_feeds(self.model, self.tokenizer, self.reference, self.texts, shape, self.input_names)
 
     def measure(self, point: dict[str, int]) -> Rounds:
         """Every engine against the reference, every candidate against each other and against an extra champion."""

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from tasks import tracking
-from tasks.benchmark import benchmark_threads, prefill_past, engine_timer
+from tasks.benchmark import benchmark_threads, engine_timer, fed_shape, prefill_past
 from tasks.build import open_engine
 from tasks.champion import champion_build
 from tasks.hostload import LoadWatch
 from tasks.inputs import point_feeds, read_texts
 from tasks.measure import Contender, measure_rounds
 from tasks.models import ModelSource, load_reference, load_tokenizer
-from tasks.spec import PipelinesFile, PipelineSpec, SpecError, registered_model_name
+from tasks.spec import PipelinesFile, PipelineSpec, SpecError, is_decode_point, point_words, registered_model_name
 from tasks.stats import METHOD, MIN_ROUNDS, Ratio
 from tasks.store import ArtifactStore
 
@@ -45,10 +45,10 @@ def find_registered_model(specs: PipelinesFile, registered_model: str) -> Compar
 
 def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store: ArtifactStore,
                      batch: int | None = None, seq: int | None = None) -> dict[str, Any]:
-    """How many times faster version_b is than version_a at (batch, seq), with its 95% interval."""
+    """How many times faster version_b is than version_a at (batch, seq), or at the gate point's decode step when it
+    is one and no seq is given, with its 95% interval."""
     spec, name = owner.spec, registered_model_name(owner.spec.name, owner.target)
-    point = {"batch": batch or spec.gate_point["batch"], "seq": seq or spec.gate_point["seq"],
-             "past": prefill_past(spec.model, spec.profiles)}
+    step, point = compared_point(spec, batch, seq)
     _check_inside_profiles(owner, point)
     threads = benchmark_threads(spec.benchmark, spec.target(owner.target).intra_op_threads)
     builds = {}  # labelled a and b, so a version compared with itself (the noise floor) is timed twice
@@ -74,7 +74,7 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
         for runner in runners.values():
             runner.close()
     ratio = rounds.ratio("a", "b")
-    return {"registered_model": name, "a": version_a, "b": version_b, "batch": point["batch"], "seq": point["seq"],
+    return {"registered_model": name, "a": version_a, "b": version_b, "at": point_words(step), **step,
             "ratio": ratio.ratio, "ci": [ratio.low, ratio.high], "half_width": ratio.half_width,
             "conclusive": ratio.conclusive(settings.precision) and not load.contended, "contended": load.contended,
             "verdict": verdict(ratio, settings.precision, load.as_dict()), "rounds": ratio.rounds,
@@ -82,18 +82,34 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
             "host": load.as_dict()}
 
 
+def compared_point(spec: PipelineSpec, batch: int | None, seq: int | None) -> tuple[dict[str, int], dict[str, int]]:
+    """(the point as the user names it, the shape the engines are fed): a prefill of `seq` tokens, else the gate
+    point, which for a decoder may be a decode step ({batch, past}: one new token after `past`)."""
+    at = spec.gate_point
+    if seq is None and is_decode_point(at):
+        step = {"batch": batch or at["batch"], "past": at["past"]}
+        return step, fed_shape(spec.model, step["batch"], 1, step["past"])
+    step = {"batch": batch or at["batch"], "seq": seq or at["seq"]}
+    return step, step | {"past": prefill_past(spec.model, spec.profiles)}
+
+
 def _check_inside_profiles(owner: ComparedModel, point: dict[str, int]) -> None:
     """A shape no profile of the pipeline holds is refused before any engine loads: an engine asked to run
     outside its profiles fails, or (beyond the model's positions) runs the machine out of memory trying."""
     spec = owner.spec
 
+    def dims(profile: Any) -> list[str]:
+        return [dim for dim in ("batch", "seq", "past") if getattr(profile, dim) is not None and dim in point]
+
     def holds(profile: Any) -> bool:
-        return all(getattr(profile, dim)[0] <= point[dim] <= getattr(profile, dim)[2] for dim in ("batch", "seq"))
+        return all(getattr(profile, dim)[0] <= point[dim] <= getattr(profile, dim)[2] for dim in dims(profile))
 
     if not any(holds(p) for p in spec.profiles):
-        ranges = "; ".join(f"batch {p.batch[0]}-{p.batch[2]} x seq {p.seq[0]}-{p.seq[2]}" for p in spec.profiles)
-        raise SpecError([f"{owner.file}: compare at batch {point['batch']} x seq {point['seq']}: outside every "
-                         f"profile of pipeline {spec.name} ({ranges}); pick --batch and --seq inside one"])
+        ranges = "; ".join(" x ".join(f"{dim} {getattr(p, dim)[0]}-{getattr(p, dim)[2]}" for dim in dims(p))
+                           for p in spec.profiles)
+        shown = " x ".join(f"{dim} {point[dim]}" for dim in dict.fromkeys(d for p in spec.profiles for d in dims(p)))
+        raise SpecError([f"{owner.file}: compare at {shown}: outside every profile of pipeline {spec.name} "
+                         f"({ranges}); pick --batch and --seq inside one"])
 
 
 def verdict(ratio: Ratio, precision: float, host: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.outcome import CandidateOutcome
-from tasks.spec import PipelineSpec
+from tasks.spec import PipelineSpec, point_words
 from tasks.whole_file import write_whole
 
 if TYPE_CHECKING:
@@ -65,8 +65,7 @@ def summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> Figu
     axes.set_yticks(range(len(names)), names)
     axes.invert_yaxis()
     axes.set_xlim(0, _right_edge(outcomes, gate.min if gate is not None and gate.min is not None else 1.0))
-    point = spec.gate_point
-    axes.set_xlabel(f"times faster than PyTorch (batch {point['batch']} × seq {point['seq']}, 95% interval)")
+    axes.set_xlabel(f"times faster than PyTorch ({point_words(spec.gate_point)}, 95% interval)")
     axes.set_title(f"{spec.name}: speedup vs the reference, by outcome")
     return figure
 

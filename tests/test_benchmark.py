@@ -256,3 +256,30 @@ def test_decoder_measures_prefill_and_decode_step(pipeline_factory: Callable[...
     samples = pd.read_csv(result.file(SAMPLES))
     assert set(samples[samples["step"] == "decode"]["seq"]) == {1}
     assert all(p["tokens_per_s"] == pytest.approx(p["throughput"] * 16) for p in view.outputs["points"])
+
+
+def test_a_decode_step_gate_point_gets_the_main_budget_and_decides_on_decode_ratios(
+        pipeline_factory: Callable[..., Path], tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`performance.at: {batch, past}`: a decoder is judged on a decode step (what generating spends its time on), not
+    on its prefill. The decode step gets the gate point's budget, the gate point row is that step's, and the ratio
+    against the champion and between candidates is read from the decode rounds, not the prefill's."""
+    benchmark = {"batch_sizes": [1, 2], "seq_lens": [16], "past_len": 8, "warmup": 1, "min_rounds": 3,
+                 "max_seconds": 1.5, "min_seconds": 0, "survey_seconds": 0.001, "precision": 1e-6, "threads": 1,
+                 "contended_above": 1.0}
+    path = pipeline_factory(tiny_llama_dir, "text-generation-with-past", targets=TARGETS, benchmark=benchmark,
+                            performance={"at": {"batch": 2, "past": 8}})
+    spec = load(path).pipelines["tiny"]
+    store = ArtifactStore(tmp_path / "artifacts")
+    built = engines(spec, store)
+    builds = {"tiny/fp32/cpu": built["cpu"], "tiny/fp32/cpu-basic": built["cpu-basic"]}
+    result = run_benchmark(spec, "cpu", builds, store)
+    champion = Champion("tiny-cpu", "1", "run-1", built["cpu-basic"].key, "fp32")
+    view = for_candidate(result, "tiny/fp32/cpu", champion).outputs
+    gate = view["gate_point"]
+    assert (gate["batch"], gate["past"]) == (2, 8) and "seq" not in gate and gate in view["decode"]
+    assert gate["seconds"] >= 1.5 > max(row["seconds"] for row in view["points"] + view["decode"] if row is not gate)
+    decode_row = next(r for r in result.outputs["comparisons"] if {r["engine"], r["versus"]} == set(builds)
+                      and r["step"] == "decode" and r["batch"] == 2)
+    forward = decode_row["engine"] == "tiny/fp32/cpu"
+    assert gate["vs_champion"] == pytest.approx(decode_row["ratio"] if forward else 1 / decode_row["ratio"])
+    assert stage_metrics({"benchmark": for_candidate(result, "tiny/fp32/cpu")})["p50_ms"] == gate["p50_ms"]

@@ -29,11 +29,11 @@ CHAMPION = Champion("enc-cpu", "3", "run-3", "key-fp32", "fp32")
 def candidate(precision: str, *, speedup: float = 2.0, vs_champion: tuple[float, float, float] | None = None,
               conclusive: bool = True, passed: bool = True, key: str | None = None,
               champion: dict[str, Any] | None = None, comparisons: list[dict[str, Any]] | None = None,
-              model: str | None = None) -> CandidateOutcome:
+              model: str | None = None, at: dict[str, int] | None = None) -> CandidateOutcome:
     """A gated candidate whose target benchmark measured it at batch 8 (the throughput gate point);
     `comparisons`: the target's side-by-side ratios, as the benchmark stage shares them; `model`: the digest
-    of the model files its export read."""
-    point = {"batch": 8, "seq": 16, "p50_ms": 10.0, "speedup_vs_reference": speedup,
+    of the model files its export read; `at`: another gate point (a decode step's {batch, past})."""
+    point = (at or {"batch": 8, "seq": 16}) | {"p50_ms": 10.0, "speedup_vs_reference": speedup,
              "speedup_vs_reference_ci": [speedup * 0.97, speedup * 1.03], "speedup_vs_reference_conclusive": True}
     if vs_champion is not None:
         ratio, low, high = vs_champion
@@ -66,9 +66,11 @@ def test_without_a_champion_the_fastest_passing_candidate_takes_the_alias() -> N
     assert result["fp16"] == (False, False, "accuracy: cosine_mean 0.9 < min 0.99")
 
 
-def side_by_side(engine: str, versus: str, ratio: float, low: float, high: float) -> dict[str, Any]:
-    """A row of the benchmark's comparison table at the gate point: `engine` is `ratio` times as fast as `versus`."""
-    return {"step": "prefill", "batch": 8, "seq": 16, "past": 0, "engine": f"enc/{engine}/cpu",
+def side_by_side(engine: str, versus: str, ratio: float, low: float, high: float, step: str = "prefill") -> dict[str, Any]:
+    """A row of the benchmark's comparison table at the gate point (or at the decode step after 64 tokens): `engine`
+    is `ratio` times as fast as `versus`."""
+    where = {"seq": 16, "past": 0} if step == "prefill" else {"seq": 1, "past": 64}
+    return {"step": step, "batch": 8, **where, "engine": f"enc/{engine}/cpu",
             "versus": f"enc/{versus}/cpu", "ratio": ratio, "ci_low": low, "ci_high": high, "conclusive": True}
 
 
@@ -87,6 +89,17 @@ def test_a_first_champion_is_not_crowned_on_noise(lead: tuple[float, float, floa
     else:
         assert result["int8"][2] == "no champion yet: fastest passing candidate"
         assert result["fp32"][2] == "no champion yet: enc/int8/cpu is faster"
+
+
+def test_a_decode_step_gate_point_reads_the_decode_rounds_not_the_prefill() -> None:
+    """With `performance.at: {batch, past}` the lead between candidates is the decode step's: int8's prefill lead is
+    beyond noise, its decode step ties with fp32, so the higher precision takes the alias."""
+    table = [side_by_side("int8", "fp32", 1.20, 1.12, 1.28), side_by_side("int8", "fp32", 1.01, 0.96, 1.06, "decode")]
+    at = {"batch": 8, "past": 64}
+    result = run(candidate("fp32", speedup=3.6, comparisons=table, at=at),
+                 candidate("int8", speedup=3.7, comparisons=table, at=at), champion=None)
+    assert [p for p, (take, _, _) in result.items() if take] == ["fp32"]
+    assert "1.01x [0.96, 1.06]" in result["fp32"][2]
 
 
 def test_only_the_tied_candidates_say_a_tie_a_slower_one_says_how_much_slower() -> None:

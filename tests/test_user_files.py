@@ -199,3 +199,47 @@ def test_accuracy_read_on_the_calibration_text_is_a_warning(workdir: Path) -> No
     assert "is calibration.data too: the accuracy gates would judge int8 or fp8 on the text they were calibrated on" \
         in warning, warning
     assert not [w for w in load(write(workdir)).warnings if "calibration.data too" in w]
+
+
+# --- a decoder judged on its decode step
+
+
+def test_a_decode_step_gate_point_must_be_one_the_benchmark_times(workdir: Path) -> None:
+    """`performance.at: {batch, past}` names a decode step: a generating task's, at a benchmarked batch, after
+    benchmark.past_len tokens (the past the steps are timed at); anything else is refused at the key to change."""
+    encoder_config = (workdir / "model" / "config.json").read_text()
+    (workdir / "model" / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 512}')
+    decode_at = PIPELINE.replace("{gates: {p99_ms: {max: 100}}}", "{gates: {p99_ms: {max: 100}}, at: POINT}")
+    gates = "{top1_agreement: {min: 0.9}}"
+    spec = load(write(workdir, decode_at.replace("POINT", "{batch: 4, past: 64}"), task="text-generation", gates=gates),
+                check_env=False).pipelines["enc"]
+    assert spec.gate_point == {"batch": 4, "past": 64}
+
+    path = write(workdir, decode_at.replace("POINT", "{batch: 4, past: 32}"), task="text-generation", gates=gates)
+    assert refusal(path, "pipelines.enc.performance.at.past").endswith(
+        ": 32 is not benchmark.past_len (64): decode steps are timed after past_len tokens; "
+        "set benchmark.past_len: 32")
+    path = write(workdir, decode_at.replace("POINT", "{batch: 2, past: 64}"), task="text-generation", gates=gates)
+    assert refusal(path, "pipelines.enc.performance.at.batch").endswith(
+        ": 2 is not one of benchmark.batch_sizes [1, 4]")
+    (workdir / "model" / "config.json").write_text(encoder_config)
+    path = write(workdir, decode_at.replace("POINT", "{batch: 4, past: 64}"))
+    assert refusal(path, "pipelines.enc.performance.at").endswith(
+        ": {batch, past} names a decode step, and task feature-extraction generates no tokens; "
+        "expected {batch: N, seq: N}")
+    path = write(workdir, decode_at.replace("POINT", "{batch: 4, steps: 64}"))
+    assert refusal(path, "pipelines.enc.performance.at").endswith(
+        ": expected {batch: N, seq: N} (a prefill) or, for a decoder, {batch: N, past: N} (a decode step)")
+
+
+def test_a_top_level_x_block_holds_anchors_for_the_pipelines(workdir: Path) -> None:
+    """`x-common: &common {...}` at the top, merged with `<<: *common` (as Compose files do): read through the
+    anchors, not refused as an unknown key; another unknown top-level key still is."""
+    text = PIPELINE.replace("defaults:\n", "x-bench: &bench {batch_sizes: [1, 2], seq_lens: [16], warmup: 1}\n"
+                                           "defaults:\n").replace(
+        "    performance:", "    benchmark: {<<: *bench, past_len: 8}\n    performance:")
+    spec = load(write(workdir, text)).pipelines["enc"]
+    assert (spec.benchmark.batch_sizes, spec.benchmark.past_len) == ([1, 2], 8)
+    assert refusal(write(workdir, "common:\n  a: 1\n" + PIPELINE), "common").endswith(
+        ": unknown key; expected 'defaults' or 'pipelines' (or 'fleet'; keys starting with 'x-' hold YAML anchors "
+        "and are not read)")

@@ -62,12 +62,36 @@ def _semantic_problems(spec: PipelineSpec) -> list[Located]:
         reasons = [f"{t.name}: {why}" for t in spec.targets if (why := t.precision_problem(precision))]
         if len(reasons) == len(spec.targets):
             problems.append((("precisions", i), f"no target builds {precision} ({'; '.join(reasons)})"))
-    at = spec.performance.at
-    if at is not None and set(at) != {"batch", "seq"}:
-        problems.append((("performance", "at"), "expected {batch: N, seq: N}"))
-    elif at is not None and (at["batch"] not in spec.benchmark.batch_sizes or at["seq"] not in spec.benchmark.seq_lens):
-        problems.append((("performance", "at"), f"{at} is not one of the benchmarked batch_sizes x seq_lens"))
-    return problems
+    return problems + _gate_point_problems(spec)
+
+
+def _extension_key(key: Any) -> bool:
+    """A top-level `x-...` key: a block of YAML anchors for the pipelines to merge (as Compose files have them)."""
+    return isinstance(key, str) and key.startswith("x-")
+
+
+def _gate_point_problems(spec: PipelineSpec) -> list[Located]:
+    """`performance.at` must name a point the benchmark times: a prefill of batch_sizes x seq_lens, or a decoder's
+    decode step at one of batch_sizes after benchmark.past_len tokens."""
+    at, bench = spec.performance.at, spec.benchmark
+    if at is None:
+        return []
+    where = ("performance", "at")
+    if set(at) not in ({"batch", "seq"}, {"batch", "past"}):
+        return [(where, "expected {batch: N, seq: N} (a prefill) or, for a decoder, {batch: N, past: N} (a decode step)")]
+    if "seq" in at:
+        if at["batch"] not in bench.batch_sizes or at["seq"] not in bench.seq_lens:
+            return [(where, f"{at} is not one of the benchmarked batch_sizes x seq_lens")]
+        return []
+    if not spec.model.is_decoder:
+        return [(where, f"{{batch, past}} names a decode step, and task {spec.model.task} generates no tokens; "
+                        "expected {batch: N, seq: N}")]
+    if at["batch"] not in bench.batch_sizes:
+        return [((*where, "batch"), f"{at['batch']} is not one of benchmark.batch_sizes {bench.batch_sizes}")]
+    if at["past"] != bench.past_len:
+        return [((*where, "past"), f"{at['past']} is not benchmark.past_len ({bench.past_len}): decode steps are "
+                                   f"timed after past_len tokens; set benchmark.past_len: {at['past']}")]
+    return []
 
 
 def _gate_problems(spec: PipelineSpec) -> list[Located]:
@@ -240,8 +264,9 @@ def load(path: str | os.PathLike, *, pipelines: Sequence[str] | None = None, che
     top = doc.data
     if not isinstance(top, dict):
         raise SpecError([report.describe((), "expected a mapping with 'pipelines'")])
-    problems = [report.describe((k,), "unknown key; expected 'defaults' or 'pipelines' (or 'fleet')")
-                for k in top if k not in ("defaults", "pipelines", "fleet")]
+    problems = [report.describe((k,), "unknown key; expected 'defaults' or 'pipelines' (or 'fleet'; keys starting "
+                                      "with 'x-' hold YAML anchors and are not read)")
+                for k in top if k not in ("defaults", "pipelines", "fleet") and not _extension_key(k)]
     fleet, fleet_problems = _check_fleet(report, top.get("fleet"))
     problems += fleet_problems
     defaults = top.get("defaults") or {}

@@ -30,6 +30,7 @@ from tasks.config.bounds import (MAX_BATCH, MAX_BENCHMARK_SECONDS, MAX_GPUS_PER_
                                  MAX_THRESHOLD, MAX_TIMEOUT_S, MAX_TOKENS_PER_DAY, MAX_TOLERANCE, MAX_WARMUP,
                                  MAX_WORKER_TIMEOUT_S, NAME, PRECISIONS, Pattern)
 from tasks.config.bounds import Strict as _Strict
+from tasks.config.points import default_gate_point
 from tasks.hostload import CONTENDED_SHARE
 from tasks.redact import redacted_url
 from tasks.yaml_source import clip, shown
@@ -240,8 +241,8 @@ class PerformanceSpec(_Strict):
     gates: dict[str, Threshold] = Field(default_factory=dict, max_length=32)
     objective: Literal["throughput", "latency"] = "throughput"
     at: dict[str, Annotated[int, Field(ge=1, le=MAX_SEQ)]] | None = Field(
-        None, max_length=2, description="{batch, seq} the gates and the objective read; default the largest "
-        "batch (throughput) or the smallest (latency), first seq")
+        None, max_length=2, description="the point gates, objective and decisions read: {batch, seq} (a prefill) or, "
+        "for a decoder, {batch, past} (a decode step after benchmark.past_len tokens); default in gate_point")
     min_improvement: float = Field(0.05, ge=0, le=10, description="how much faster than the champion a candidate "
                                    "must be, conclusively, to take the alias")
 
@@ -430,10 +431,9 @@ class PipelineSpec(_Strict):
 
     @property
     def gate_point(self) -> dict[str, int]:
-        """The (batch, seq) that performance gates and the objective read: throughput is judged at the
-        largest batch, latency at the smallest, unless `performance.at` says otherwise."""
-        pick = max if self.performance.objective == "throughput" else min
-        return self.performance.at or {"batch": pick(self.benchmark.batch_sizes), "seq": self.benchmark.seq_lens[0]}
+        """The point that performance gates, the objective and decisions read (tasks/config/points.py)."""
+        return default_gate_point(self.performance.at, self.performance.objective, self.benchmark.batch_sizes,
+                                  self.benchmark.seq_lens[0], self.benchmark.past_len if self.model.has_past else None)
 
     def candidates(self, precisions: list[str] | None = None, targets: list[str] | None = None) -> list[Candidate]:
         """Every (precision, target) candidate whose backend builds that precision, or those the filters
