@@ -6,6 +6,7 @@ offline machine never waits on the network.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,8 +93,10 @@ def load_reference(source: ModelSource) -> torch.nn.Module:
 def model_source_digest(source: ModelSource) -> str:
     """The model's identity: a hash of the local files, or the hub commit the revision points at now.
 
-    Resolving a branch like `main` to its commit is what makes a model pushed overnight rebuild.
-    Offline, the revision name is all there is.
+    Resolving a branch like `main` to its commit is what makes a model pushed overnight rebuild. When the
+    hub does not answer, the commit the local hub cache resolves the revision to (what an offline load
+    reads), so a night without the hub sees the same model as the night before, not "other model files";
+    with nothing cached either, the revision name is all there is.
     """
     if source.directory is not None:
         return tree_digest(source.directory)
@@ -103,5 +106,19 @@ def model_source_digest(source: ModelSource) -> str:
     try:
         commit = HfApi().model_info(source.model.id, revision=source.model.revision).sha
     except (OSError, HfHubHTTPError):
-        commit = None
+        commit = cached_commit(source.model.id, source.model.revision)
     return f"hub:{source.model.id}@{commit or source.model.revision}"
+
+
+def cached_commit(model_id: str, revision: str) -> str | None:
+    """The commit the local hub cache holds for `revision` (a commit is its own), or None."""
+    from huggingface_hub import constants
+
+    if re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    ref = Path(constants.HF_HUB_CACHE) / f"models--{model_id.replace('/', '--')}" / "refs" / revision
+    try:
+        commit = ref.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None

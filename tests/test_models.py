@@ -54,6 +54,26 @@ def test_source_digest_follows_local_files_and_pins_hub_revision(tiny_bert_dir, 
     assert model_source_digest(ModelSource.of(hub)) == "hub:org/model@abc123"
 
 
+def test_a_hub_model_offline_is_the_commit_its_local_cache_holds(tiny_bert_dir, pipeline_factory, tmp_path,
+                                                                  monkeypatch):
+    """Without the hub, the revision resolves through the local hub cache (what an offline load reads), so a night
+    without the hub sees the same model as a night with it, not "other model files" that rebuild and move the alias."""
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    refs = tmp_path / "hub" / "models--org--model" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = _spec(pipeline_factory, tiny_bert_dir, "feature-extraction")
+    hub = spec.model_copy(update={"model": spec.model.model_copy(update={"id": "org/model", "path": None})})
+    assert hub.model.revision == "main"
+    assert model_source_digest(ModelSource.of(hub)) == f"hub:org/model@{commit}"
+    (refs / "main").write_text("not a commit")
+    assert model_source_digest(ModelSource.of(hub)) == "hub:org/model@main"
+
+
 def test_missing_model_dir_is_named(tiny_bert_dir, pipeline_factory, tmp_path):
     shutil.copytree(tiny_bert_dir, tmp_path / "model")  # whole when the file is checked, then damaged
     spec = _spec(pipeline_factory, tmp_path / "model", "feature-extraction")
