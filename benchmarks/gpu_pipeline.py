@@ -692,7 +692,8 @@ def decode_product_kernels(shape: gm.DecoderShape, ceilings: dict[str, Any], rep
     before it and the residual add after it): smelter::decode_linear on bf16 and e4m3 weights as
     configured, and each of its ways in several block shapes (the CUDA-core kernel at 1 row, the
     norm or gate kernel then the tensor-core one at 1 and 64 rows, the norm or gate kernel then
-    cuBLAS at 64 rows, and plain cuBLAS on the unfused input for reference), as achieved bytes per
+    cuBLAS at 64 rows, e4m3 weights at 64 rows also as the input rounded to e4m3 then the fp8 tensor
+    cores (`qrows_fp8_*`), and plain cuBLAS on the unfused input for reference), as achieved bytes per
     second of weights read, each call timed inside a CUDA graph of many (graph_call_us) rotating over
     copies of the weights larger than L2 together (as a step reads each weight once), and each one's
     relative error vs fp32."""
@@ -757,6 +758,10 @@ def decode_product_kernels(shape: gm.DecoderShape, ceilings: dict[str, Any], rep
             if rows == 64:
                 ways["cublas_bf16"] = (cublas, 2, exact)
                 ways["fp8_rows_cublas_fp8"] = (cublas_fp8, 1, exact_fp8)
+                for c in ROWS_CANDIDATES[rows]:  # e4m3 rows x e4m3 weights on the fp8 tensor cores
+                    ways["qrows_fp8_{}x{}w{}s{}".format(*c)] = (
+                        lambda i, c=c: dp.quantized_rows_product(x, fp8s[i], scale, kw["gated"], kw["norm"], kw["eps"],
+                                                                 res, config=c), 1, exact_fp8)
             for c in ROWS_CANDIDATES[rows]:
                 tag = "{}x{}w{}s{}".format(*c)
                 ways[f"rows_fp8_{tag}"] = (rows_way(fp8s, scale, c), 1, exact_fp8)

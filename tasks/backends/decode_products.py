@@ -18,9 +18,12 @@ cost no kernels of their own; up to `ROWS_KERNEL_ROWS` rows `_rows_kernel` on th
 rows padded to 16, each program BLOCK_N output channels over all of K, so each weight is read once
 for all rows), after one kernel for the norm or gate. Which kernel runs where, and their block
 shapes, are what the H200 measured fastest (benchmarks/gpu_pipeline.py, section decode_step). For
-more rows, bf16 weights go to cuBLAS (`F.linear`, `addmm` with a residual); e4m3 weights to cuBLAS's
-fp8 product (`torch._scaled_mm`, row-wise scales) after a Triton kernel quantises each activation
-row to e4m3 with its own scale, in one pass. Elsewhere (CPU, or no Triton) the ops compute the same
+more rows, bf16 weights go to cuBLAS (`F.linear`, `addmm` with a residual). e4m3 weights go, after
+one kernel that computes the input and quantises each of its rows to e4m3 with its own scale, to
+`_rows_kernel` on the fp8 tensor cores up to `FP8_ROWS_KERNEL_ROWS` rows (two kernels per product,
+as for bf16: cuBLAS's fp8 product after a norm or gate kernel and a quantisation kernel made the
+H200's fp8 step at 64 rows slower than its bf16 one), and to cuBLAS's fp8 product
+(`torch._scaled_mm`, row-wise scales) above. Elsewhere (CPU, or no Triton) the ops compute the same
 function with torch operations, so an exported decode step runs anywhere.
 
 `decode_attention` (Triton on a CUDA GPU) applies the rotary embedding to q, then each program reads
@@ -53,6 +56,9 @@ FP8_MAX = 448.0
 # and up to which the tensor-core one does; above, cuBLAS.
 GEMV_ROWS = {2: 1, 1: 1}
 ROWS_KERNEL_ROWS = {2: 64, 1: 16}
+# e4m3 weights: rows up to which, above ROWS_KERNEL_ROWS, the activations rounded to e4m3 (one scale
+# per row) meet the weights on the fp8 tensor cores in `_rows_kernel`; above, in cuBLAS's fp8 product.
+FP8_ROWS_KERNEL_ROWS = 64
 # e4m3 weights through the weight-streaming CUDA-core kernel as 32-bit words widened by integer
 # operations (_gemv_kernel's W_WORDS), not through the conversion unit
 GEMV_WORDS = True
@@ -65,7 +71,7 @@ ATTENTION_CONFIGS = {"split": (64, 2, 4), "whole": (32, 3, 4)}
 # the build packs their compiled entries into the engine
 # (tasks/backends/kernel_bundle.py), so a fresh process does not compile them on first launch.
 KERNELS = ("_gemv_kernel", "_gemv_words", "_gemv_epilogue", "_rows_kernel", "_gate_kernel", "_rms_norm_kernel",
-           "_quantize_rows_kernel", "_attention_kernel", "_attention_combine_kernel")
+           "_quantize_input_kernel", "_attention_kernel", "_attention_combine_kernel")
 
 try:  # Triton ships with CUDA builds of torch; a CPU-only install computes with torch alone
     import triton
@@ -159,7 +165,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
 # to 16 rows, else 64) -> (BLOCK_N, BLOCK_K, num_warps, num_stages) of `_rows_kernel`: the fastest
 # block shapes on the H200 (2026-12-04 21:25 UTC, benchmarks/gpu_pipeline.py section decode_step, each
 # product timed inside a CUDA graph of many, as a replayed step runs it, with programmatic dependent
-# launch, and e4m3 at one row as words). Other shapes use the rules below.
+# launch, and e4m3 at one row as words). Other shapes use the rules below. The e4m3 64-row entries now
+# serve the e4m3 x e4m3 path: other shapes, up to 9% faster per product alone, made the whole step 3.5%
+# slower (2026-12-05, h200.json decode_step_fp8_rows_tuning).
 GEMV_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
     (3072, 2048, 1): (8, 512, 4), (3072, 2048, 2): (4, 512, 4), (2048, 2048, 1): (8, 2048, 8),
     (2048, 2048, 2): (16, 1024, 8), (16384, 2048, 1): (8, 512, 4), (16384, 2048, 2): (8, 256, 4),
@@ -330,11 +338,14 @@ if triton is not None:
         tl.store(y_ptr + m * stride_ym + rn, y.to(dtype), mask=n_ok)
 
     @triton.jit
-    def _rows_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
-                     HAS_SCALE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_GDC: tl.constexpr):
+    def _rows_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
+                     HAS_SCALE: tl.constexpr, X_SCALE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     USE_GDC: tl.constexpr):
         """y[:, n-block] = x · w[n-block]ᵀ (× scale) (+ residual) for all M rows of x at once: one
-        program per BLOCK_N output channels, so each weight is read once whatever M is."""
+        program per BLOCK_N output channels, so each weight is read once whatever M is. e4m3 weights
+        are widened to x's dtype in registers; with e4m3 x (X_SCALE: one fp32 scale per row, xs) both
+        go to the fp8 tensor cores as they are, and the row's scale multiplies the sums at the end."""
         if USE_GDC:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -357,6 +368,8 @@ if triton is not None:
                 w = tl.load(w_cols + kk[:, None], mask=n_ok[None, :] & (kk[:, None] < K), other=0.0)
             x = tl.load(x_rows + kk[None, :], mask=x_mask, other=0.0)
             acc = tl.dot(x, w.to(x.dtype), acc)
+        if X_SCALE:
+            acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
         if HAS_SCALE:
             acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
@@ -394,14 +407,30 @@ if triton is not None:
         tl.store(y_ptr + m * K + rk, ((x * rstd).to(dtype).to(tl.float32) * nw).to(dtype), mask=ok)
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
-        """Row m of x to e4m3 with its own scale (largest magnitude -> 448), in one pass."""
+    def _quantize_input_kernel(x_ptr, nw_ptr, q_ptr, s_ptr, K, stride_xm, eps, GATED: tl.constexpr,
+                               NORM: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr):
+        """Row m of the product's input (x, silu(gate) * up of x = [gate, up] (GATED), or rms_norm(x)
+        with weights nw (NORM)), rounded to x's dtype as _gate_kernel and _rms_norm_kernel round it,
+        then to e4m3 with its own scale (largest magnitude -> 448): the input of an fp8 product in
+        one kernel, not one for the input and one for its rounding."""
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         m = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+        ok = rk < K
+        dtype = x_ptr.dtype.element_ty
+        x = tl.load(x_ptr + m * stride_xm + rk, mask=ok, other=0.0).to(tl.float32)
+        if GATED:
+            u = tl.load(x_ptr + m * stride_xm + K + rk, mask=ok, other=0.0).to(tl.float32)
+            x = (x * tl.sigmoid(x) * u).to(dtype).to(tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+            nw = tl.load(nw_ptr + rk, mask=ok, other=0.0).to(tl.float32)
+            x = ((x * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
         q = tl.clamp(x / scale, -448.0, 448.0)
-        tl.store(q_ptr + m * K + rk, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=rk < K)
+        tl.store(q_ptr + m * K + rk, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok)
         tl.store(s_ptr + m, scale)
 
     @triton.jit
@@ -526,9 +555,28 @@ def prepared_input(x: torch.Tensor, gated: bool, norm: torch.Tensor | None, eps:
     return y
 
 
+def quantize_input(x: torch.Tensor, gated: bool = False, norm: torch.Tensor | None = None,
+                   eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """product_input's rows in e4m3 [M, K], each with its own fp32 scale [M] (its largest magnitude
+    maps to 448): one Triton kernel, one program per row (the whole row, for its largest magnitude)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
+    quantised = torch.empty(m, k, dtype=FP8, device=x.device)
+    row_scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    block_k = triton.next_power_of_2(k)
+    _quantize_input_kernel[(m,)](x, norm if norm is not None else x, quantised, row_scale, k, x.stride(0), eps,
+                                 GATED=gated, NORM=norm is not None, BLOCK_K=block_k,
+                                 num_warps=min(16, max(4, block_k // 512)), **_launch(x))
+    return quantised, row_scale
+
+
 def rows_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                 residual: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """The tensor-core weight-streaming kernel (CUDA, Triton): y [M, N] (+ residual) for x [M, K], M <= 64."""
+                 residual: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
+                 x_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor-core weight-streaming kernel (CUDA, Triton): y [M, N] (+ residual) for x [M, K], M <= 64,
+    in x's dtype; for e4m3 x with one fp32 scale per row (x_scale [M]) and e4m3 weights, on the fp8
+    tensor cores, in `dtype`."""
     m, k = x.shape
     n = weight.shape[0]
     if residual is not None and residual.stride(-1) != 1:
@@ -536,27 +584,35 @@ def rows_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     block_n, block_k, warps, stages = config or rows_config(n, k, weight.element_size(), m)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=dtype or x.dtype, device=x.device)
+    # e4m3 x: 64 rows whatever M (one compiled kernel for all the rows it serves; an fp8 MMA of the
+    # Hopper tensor cores spans 64 rows anyway)
+    block_m = 64 if x_scale is not None else max(16, triton.next_power_of_2(m))
     _rows_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, scale if scale is not None else weight, residual if residual is not None else y, y, m, n, k,
+        x, x_scale if x_scale is not None else x, weight, scale if scale is not None else weight,
+        residual if residual is not None else y, y, m, n, k,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
-        HAS_SCALE=scale is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
-        **_launch(x))
+        HAS_SCALE=scale is not None, X_SCALE=x_scale is not None, HAS_RESIDUAL=residual is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps,
+        num_stages=stages, **_launch(x))
     return y
 
 
-def fp8_rows_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Many rows against e4m3 weights: each row quantised to e4m3 with its own scale (one Triton
-    pass), then cuBLAS's fp8 product with row-wise scales, into x's dtype."""
-    m, k = x.shape
-    x = x.contiguous()
-    quantised = torch.empty(m, k, dtype=FP8, device=x.device)
-    row_scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    block_k = triton.next_power_of_2(k)
-    _quantize_rows_kernel[(m,)](x, quantised, row_scale, k, x.stride(0), BLOCK_K=block_k,
-                                num_warps=8 if block_k >= 4096 else 4)
-    return torch._scaled_mm(quantised, weight.t(), scale_a=row_scale, scale_b=scale.view(1, -1),
+def quantized_rows_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gated: bool = False,
+                           norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+                           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """decode_linear on e4m3 weights in two kernels, as bf16 weights take: the input rounded to e4m3
+    per row (quantize_input, as fp8_rows_product rounds it), then the tensor-core kernel on e4m3 x e4m3."""
+    quantised, row_scale = quantize_input(x, gated, norm, eps)
+    return rows_product(quantised, weight, scale, residual, config, x_scale=row_scale, dtype=x.dtype)
+
+
+def fp8_rows_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, gated: bool = False,
+                     norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """Many rows against e4m3 weights: the input rounded to e4m3 per row (quantize_input), then
+    cuBLAS's fp8 product with row-wise scales, into x's dtype."""
+    quantised, row_scale = quantize_input(x, gated, norm, eps)
+    return torch._scaled_mm(quantised, weight.t(), scale_a=row_scale.view(-1, 1), scale_b=scale.view(1, -1),
                             out_dtype=x.dtype, use_fast_accum=True)
 
 
@@ -574,15 +630,18 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     rms_norm(x, norm, eps) (norm weights [K] given)."""
     if not _fast_path(x, weight):
         return reference(x, weight, scale, gated, norm, eps, residual)
-    if x.shape[0] <= GEMV_ROWS.get(weight.element_size(), 0):
+    rows, width = x.shape[0], weight.element_size()
+    if rows <= GEMV_ROWS.get(width, 0):
         return gemv(x, weight, scale, gated, norm, eps, residual)
+    if scale is not None and rows > ROWS_KERNEL_ROWS.get(width, 0):
+        if rows <= FP8_ROWS_KERNEL_ROWS:
+            return quantized_rows_product(x, weight, scale, gated, norm, eps, residual)
+        y = fp8_rows_product(x, weight, scale, gated, norm, eps)
+        return y.add_(residual) if residual is not None else y
     x = prepared_input(x, gated, norm, eps)
-    if x.shape[0] <= ROWS_KERNEL_ROWS.get(weight.element_size(), 0):
+    if rows <= ROWS_KERNEL_ROWS.get(width, 0):
         return rows_product(x, weight, scale, residual)
-    if scale is None:
-        return torch.addmm(residual, x, weight.t()) if residual is not None else F.linear(x, weight)
-    y = fp8_rows_product(x, weight, scale)
-    return y.add_(residual) if residual is not None else y
+    return torch.addmm(residual, x, weight.t()) if residual is not None else F.linear(x, weight)
 
 
 @decode_linear.register_fake
