@@ -591,8 +591,16 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         print(f"{args.prefect_yaml}: {len(plans)} deployments")
         return EXIT_OK
     if not args.pools:
+        if pooled := deploy.on_work_pools(plans):
+            print(f"error: {args.file}: deploy: {', '.join(pooled)} run on work pools (`smelter deploy --pools` "
+                  "registered them); serving them here would put the same names on this process, and the pools' "
+                  "workers could not start their runs any more. Keep the pools (`smelter deploy --pools` again after "
+                  "an edit), or remove them first: prefect deployment delete <name>", file=sys.stderr)
+            return EXIT_INVALID
+        _say_silent_runs_crash(deploy.crash_silent_runs())
         deploy.serve_schedules(plans)
         return EXIT_OK
+    _say_silent_runs_crash(deploy.crash_silent_runs())
     needed = deploy.pools(specs)
     created = deploy.create_pools(list(needed))
     deploy.register(plans, str(Path.cwd()))
@@ -605,6 +613,13 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     print("next: on each pool's hosts, from this checkout: "
           + "; ".join(f"prefect worker start --pool {pool}" for pool in needed))
     return EXIT_OK
+
+
+def _say_silent_runs_crash(created: bool) -> None:
+    from flows.deploy import SILENT_RUNS_AUTOMATION
+
+    print(f"automation {SILENT_RUNS_AUTOMATION!r} {'created' if created else 'exists'}: a run whose process died "
+          "ends Crashed")
 
 
 def _need_a_lasting_prefect_server(file: str) -> None:

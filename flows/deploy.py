@@ -115,6 +115,70 @@ def _cron(schedule: ScheduleSpec) -> Any:
     return Cron(schedule.cron, timezone=schedule.timezone)
 
 
+SILENT_RUNS_AUTOMATION = "smelter: crash flow runs whose process stopped sending heartbeats"
+HEARTBEATS_MISSED = 3  # heartbeats a run may miss before the server calls it crashed
+
+
+def crash_silent_runs() -> bool:
+    """Make the lasting server mark a flow run `Crashed` once its process stops sending heartbeats (killed with
+    -9, its host gone): nothing else ends it, so it would stay `Running` for ever and `prefect deployment run
+    --watch` would wait on it. Prefect's own recipe (an automation on missed heartbeats); returns whether it was
+    created now (the server already had it otherwise)."""
+    return asyncio.run(_crash_silent_runs())
+
+
+async def _crash_silent_runs() -> bool:
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+
+    async with get_client() as client:
+        if await client.read_automations_by_name(SILENT_RUNS_AUTOMATION):
+            return False
+    every = PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() or 180
+    ended = {f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed")}
+    await Automation(
+        name=SILENT_RUNS_AUTOMATION,
+        description=f"A flow run that sent a heartbeat, then none for {HEARTBEATS_MISSED} heartbeats ({every} s "
+                    "apart: PREFECT_FLOWS_HEARTBEAT_FREQUENCY), did not end on its own: its process died.",
+        trigger=EventTrigger(after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat"} | ended,
+                             match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+                             for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
+                             within=timedelta(seconds=HEARTBEATS_MISSED * every)),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message="its process stopped sending heartbeats: "
+                                    "killed, or its host gone")]).acreate()
+    return True
+
+
+def on_work_pools(plans: list[DeploymentPlan]) -> list[str]:
+    """The deployments of `plans` that the server holds on a work pool (`smelter deploy --pools` registered them).
+    Serving one would replace it under the same name with one that only this process runs, and the pool's
+    workers, still sent its scheduled runs, could not start them."""
+    return asyncio.run(_on_work_pools(plans))
+
+
+async def _on_work_pools(plans: list[DeploymentPlan]) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    found = []
+    async with get_client() as client:
+        for p in plans:
+            try:
+                deployment = await client.read_deployment_by_name(p.full_name)
+            except ObjectNotFound:
+                continue
+            if deployment.work_pool_name:
+                found.append(f"{p.full_name} (pool {deployment.work_pool_name})")
+    return found
+
+
 def serve_schedules(plans: list[DeploymentPlan]) -> None:
     """Serve until interrupted; stopping leaves the schedules active for the next `serve`."""
     from prefect import serve

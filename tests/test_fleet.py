@@ -20,6 +20,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from flows.deploy import SILENT_RUNS_AUTOMATION
 from tasks.mlflow_webhooks import verify_signature
 from tests.fixtures.fleet import RecordingReceiver, Service, cli, project_env
 from tests.fixtures.models import write_pipelines
@@ -39,8 +40,8 @@ def smelter(args: list[str], env: dict[str, str], cwd: Path) -> str:
     return done.stdout
 
 
-def run_deployment(name: str, env: dict[str, str], cwd: Path, extra: list[str] = ()) -> tuple[str, float]:
-    """`prefect deployment run NAME --watch`: the flow run id and the seconds until it finished."""
+def run_deployment(name: str, env: dict[str, str], cwd: Path, extra: list[str] = ()) -> tuple[str, float, str]:
+    """`prefect deployment run NAME --watch`: the flow run id, the seconds until it finished and what it printed."""
     started = time.monotonic()
     done = subprocess.run([cli("prefect"), "deployment", "run", name, *extra, "--watch", "--watch-interval", "1",
                            "--watch-timeout", str(RUN_TIMEOUT_S)], env=env, cwd=cwd, capture_output=True, text=True,
@@ -48,7 +49,7 @@ def run_deployment(name: str, env: dict[str, str], cwd: Path, extra: list[str] =
     seconds = time.monotonic() - started
     found = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout)
     assert found, f"prefect deployment run {name}:\n{done.stdout}\n{done.stderr}"
-    return found.group(1), seconds
+    return found.group(1), seconds, done.stdout
 
 
 def deployments(api: str) -> dict[str, dict[str, Any]]:
@@ -118,6 +119,15 @@ def test_a_deployed_run_fans_out_to_each_pool_joins_in_mlflow_and_promotes_once(
     assert registered[f"smelter-pipeline/{name}"]["parameters"]["pool"] == "cpu"
     assert registered["smelter-build/gpu-test"]["work_pool_name"] == "gpu-test"
     assert [s["schedule"]["cron"] for s in registered[f"smelter-pipeline/{name}"]["schedules"]] == ["0 3 * * *"]
+    (silent,) = [a for a in httpx.post(f"{api}/automations/filter", json={}, timeout=10).json()
+                 if a["name"] == SILENT_RUNS_AUTOMATION]  # a run killed with -9 ends Crashed, not Running for ever
+    assert silent["trigger"]["posture"] == "Proactive" and silent["trigger"]["after"] == ["prefect.flow-run.heartbeat"]
+    assert [(a["type"], a["state"]) for a in silent["actions"]] == [("change-flow-run-state", "CRASHED")]
+    served = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], env=env, cwd=project, capture_output=True,
+                            text=True, timeout=300)  # serving here would take the pools' names from their workers
+    assert served.returncode == 2 and "run on work pools" in served.stderr, served.stdout + served.stderr
+    assert f"smelter-pipeline/{name} (pool cpu)" in served.stderr
+    assert deployments(api)[f"smelter-pipeline/{name}"]["work_pool_name"] == "cpu"
 
     smelter(["deploy", "--prefect-yaml", "prefect.yaml"], env, project)  # a directory with no checkout in it
     deployed = subprocess.run([cli("prefect"), "--no-prompt", "deploy", "--all"], env=env, cwd=project,
@@ -139,9 +149,11 @@ def test_a_deployed_run_fans_out_to_each_pool_joins_in_mlflow_and_promotes_once(
             home.mkdir()
             workers[pool] = Service([cli("prefect"), "worker", "start", "--pool", pool, "--type", "process",
                                      "--name", f"worker-{pool}", "--limit", "1"], home / "worker.log", env, home)
-        cold_id, cold_s = run_deployment(f"smelter-pipeline/{name}", env, tmp_path)
-        warm_id, warm_s = run_deployment(f"smelter-pipeline/{name}", env, tmp_path,
-                                         ["--param", 'targets=["cpu", "edge"]'])
+        cold_id, cold_s, watched = run_deployment(f"smelter-pipeline/{name}", env, tmp_path)
+        warm_id, warm_s, _ = run_deployment(f"smelter-pipeline/{name}", env, tmp_path,
+                                            ["--param", 'targets=["cpu", "edge"]'])
+        # `--watch` streams the stage lines, those of the pools' builds included (the server streams logs out)
+        assert f"{name}/cpu benchmark: done" in watched and f"{name}/edge benchmark: done" in watched, watched
         logs = "\n".join(w.log()[-4000:] for w in workers.values())
         by_id = {r["id"]: r for r in flow_runs(api)}
         # the cold run's candidate on the pool without a worker failed: its flow run says so, as the CLI's exit code would
