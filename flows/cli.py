@@ -673,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
                 # a SIGINT the shell ignores (a background job) stays ignored
                 if in_main_thread and signal.getsignal(signum) is not signal.SIG_IGN}
     stop_signals.received.clear()
+    _delivered.clear()
     _unraisable_hooks[:] = [sys.unraisablehook]
     sys.unraisablehook = _record_swallowed_stop
     try:
@@ -695,8 +696,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     finally:
         sys.unraisablehook = _unraisable_hooks[0]
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        for signum, handler in previous.items():  # a stopped process ignores them while it exits (Python puts
+            signal.signal(signum, signal.SIG_IGN if _delivered else handler)  # back the default, which kills)
 
 
 # Waits on a server that stopped answering, bounded for this process unless the user set them: MLflow retries
@@ -720,13 +721,24 @@ def _quiet_prefect_log_worker() -> None:
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _unraisable_hooks: list[Any] = []  # the hook `_record_swallowed_stop` replaced, which it hands each exception on to
+_delivered: list[int] = []  # the stop signals this command's handler received
 
 
 def _on_stop_signal(signum: int, frame: Any) -> None:
     """Record the signal, then raise it as an exception. The raise alone can be lost (raised inside a
-    finalizer or a library's `except BaseException`); the record stops the run at its next safe point."""
+    finalizer or a library's `except BaseException`); the record stops the run at its next safe point.
+
+    A second one while the run already stops (Ctrl-C pressed twice, or once through `timeout`, which passes it
+    on) is only recorded: raised, it would break the cleanup under way and print a traceback. A third ends the
+    process at once, for a cleanup that hangs; the next run finishes it."""
     stop_signals.received.append(signum)
-    stop_signals.raise_for(signum)
+    _delivered.append(signum)
+    if len(_delivered) == 1:
+        stop_signals.raise_for(signum)
+    if len(_delivered) >= 3:
+        code = EXIT_TERMINATED if stop_signals.received[0] == signal.SIGTERM else EXIT_INTERRUPTED
+        os.write(2, b"smelter: stopped at once (a third stop signal); the next run finishes the cleanup\n")
+        os._exit(code)
 
 
 def _record_swallowed_stop(unraisable: Any) -> None:

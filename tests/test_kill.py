@@ -151,11 +151,40 @@ def test_ctrl_c_in_a_terminal_stops_the_run_cleanly_and_the_next_completes(
                 os.waitpid(pid, 0)
         os.close(fd)
     assert code == 130, f"exit {code} after Ctrl-C at {point}:\n{(shown + after)[-3000:]}"
-    assert "interrupted (Ctrl-C)" in after and "Traceback" not in after, after[-3000:]
+    assert after.count("interrupted (Ctrl-C)") == 1 and "Traceback" not in after, after[-3000:]
+    assert "Exception ignored" not in after and "KeyboardInterrupt" not in after, after[-3000:]
     assert not list((artifacts / PIPELINE).glob("*/.*.*")), "a stage's temp dir outlived the stopped run"
     assert "RUNNING" not in run_statuses(store).values()
 
     _assert_next_run_completes(setup, store, artifacts, tmp_path)
+
+
+@pytest.mark.parametrize("after_s", [0.5, 1.2, 2.5])
+def test_ctrl_c_pressed_twice_as_a_run_starts_ends_it_as_once(
+        after_s: float, cli_setup_own_server: CliSetup, tmp_path: Path) -> None:
+    """Ctrl-C pressed twice (or once through `timeout`, which passes it on) while the run starts: the second,
+    arriving while the first one's cleanup runs, changes nothing: one line, exit 130, no traceback."""
+    setup = cli_setup_own_server
+    store = empty_store(setup, tmp_path / "store")
+    artifacts = copy_artifacts(setup, tmp_path / "artifacts", drop_from=None)
+    pid, fd, shown = _run_in_terminal(setup, artifacts, setup.env | {"MLFLOW_TRACKING_URI": store, "TERM": "xterm"})
+    code = None
+    try:
+        shown += _read(fd, after_s)
+        os.write(fd, b"\x03")
+        shown += _read(fd, 0.1)
+        os.write(fd, b"\x03")
+        code, after = _wait_exit(pid, fd, CTRL_C_WITHIN_S)
+    finally:
+        if code is None:
+            with contextlib.suppress(ChildProcessError, ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        os.close(fd)
+    said = shown + after
+    assert code == 130, f"exit {code} after two Ctrl-C at {after_s} s:\n{said[-3000:]}"
+    assert said.count("interrupted (Ctrl-C)") == 1 and "Traceback" not in said, said[-3000:]
+    assert "Exception ignored" not in said and "KeyboardInterrupt" not in said, said[-3000:]
 
 
 @pytest.mark.parametrize(("point", "name", "code", "said"), [
