@@ -241,9 +241,10 @@ def _with_engine_here(outcome: CandidateOutcome, engines: Path) -> CandidateOutc
 @flow(name="smelter-build", flow_run_name="{pipeline}-build")
 def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: str,
                   precisions: list[str] | None = None, force: bool = False, artifacts: str = "artifacts",
-                  allow_outside_paths: bool = False) -> list[str]:
+                  allow_outside_paths: bool = False) -> dict[str, str]:
     """Build and measure the candidates of `targets` on this host, each logged as a child run of
-    `parent_run_id`; returns their MLflow run ids (the parent reads everything else from MLflow)."""
+    `parent_run_id` (the parent reads everything from MLflow); returns why the candidates whose run could
+    not be logged have none ({candidate: reason}), for a parent in this process to say so."""
     spec = load(file, pipelines=[pipeline], allow_outside_paths=allow_outside_paths).pipelines[pipeline]
     candidates = spec.candidates(precisions, targets)
     store = ArtifactStore(artifacts)
@@ -263,17 +264,17 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
                 benchmark_target(spec, target, built, tracking.champion(spec, target), store, force)
         outcomes += built
         gpus |= {t: gpu for t in group if gpu is not None}
-    run_ids = []
+    untracked = {}
     for outcome in outcomes:
         gpu = gpus.get(outcome.candidate.target)
         try:
             run_id = track_task.with_options(task_run_name=f"{outcome.candidate.name}/track")(
                 parent_run_id, spec, outcome, where | ({"fleet.gpu": gpu} if gpu else {}))
             _check_engine_here(spec, outcome, run_id)
-            run_ids.append(run_id)
         except Exception as e:  # noqa: BLE001 - the parent finds no run for it and fails it; the others go on
+            untracked[outcome.candidate.name] = f"its MLflow run could not be logged: {described(e)}"
             progress.stage_failed(outcome.candidate.name, "track", described(e))
-    return run_ids
+    return untracked
 
 
 @task(name="build-on-pool", cache_policy=NO_CACHE, persist_result=False)
@@ -284,7 +285,8 @@ def build_on_pool_task(pool: str, parameters: dict[str, Any], worker_timeout: fl
 def _build_everywhere(specs: PipelinesFile, spec: PipelineSpec, targets: list[str], parent_run_id: str,
                       build_parameters: dict[str, Any], here: str | None) -> dict[str, str]:
     """Run every target's builds, this pool's in-process and the others' on their pools at the same time;
-    returns why the targets whose build did not complete have no outcome ({target: reason})."""
+    returns why the targets whose build did not complete, and the candidates whose run was not logged, have no
+    outcome ({target or candidate: reason})."""
     local, remote = fleet.split_by_pool(spec, targets, here)
     futures = {pool: build_on_pool_task.with_options(task_run_name=f"{spec.name}@{pool}").submit(
         pool, build_parameters | {"targets": pool_targets, "parent_run_id": parent_run_id},
@@ -292,7 +294,7 @@ def _build_everywhere(specs: PipelinesFile, spec: PipelineSpec, targets: list[st
     missing: dict[str, str] = {}
     if local:
         try:
-            build_targets(**build_parameters, targets=local, parent_run_id=parent_run_id)
+            missing |= build_targets(**build_parameters, targets=local, parent_run_id=parent_run_id)
         except Exception as e:  # noqa: BLE001 - the local targets fail; the other pools' builds go on
             missing |= {t: f"build failed: {described(e)}" for t in local}
     for pool, future in futures.items():
@@ -312,7 +314,9 @@ def _joined(spec: PipelineSpec, candidates: list[Candidate], parent_run_id: str,
     outcomes = []
     for candidate in candidates:
         outcome = logged.get(candidate.name)
-        if outcome is None:
+        if outcome is None and candidate.name in missing:  # built, its run not logged: said where it failed
+            outcome = CandidateOutcome(candidate, "failed", error=missing[candidate.name], failed_stage="track")
+        elif outcome is None:
             why = missing.get(candidate.target, "its build logged no MLflow run (see the flow run's logs)")
             outcome = CandidateOutcome(candidate, "failed", error=why, failed_stage="build")
             progress.stage_failed(candidate.name, "build", why)

@@ -177,3 +177,26 @@ def test_a_pool_that_cannot_build_fails_its_candidates_and_the_rest_is_promoted(
     assert summaries["cpu"]["status"] == "promoted" and summaries["cpu"]["model_version"] == "1"
     tags = MlflowClient().get_run(summaries["cpu"]["mlflow_run_id"]).data.tags
     assert tags["gate"] == "passed" and tags["status"] == "promoted" and tags["fleet.host"]
+
+
+@pytest.mark.usefixtures("mlflow_server")
+def test_a_candidate_whose_run_was_not_logged_fails_at_track_with_why(tmp_path: Path) -> None:
+    """A build whose MLflow run could not be logged (the tracking server gone at that moment) fails its candidate
+    at `track` with the error, not as a build that did not happen; a target whose build never ran fails at build."""
+    from flows.pipeline import _joined
+    from tasks.spec import Candidate
+
+    spec = pipeline_spec(f"untracked-{tmp_path.name[-8:]}".lower().replace("_", "-"))
+    tracked, untracked = Candidate(spec.name, "fp32", "cpu"), Candidate(spec.name, "int8", "cpu")
+    lost = Candidate(spec.name, "fp32", "sm90")
+    why = "its MLflow run could not be logged: MlflowException: Connection refused"
+    with tracking.pipeline_run(spec, "join", params={}) as parent_run_id:
+        tracking.log_candidate(parent_run_id, spec, candidate_outcome(ArtifactStore(tmp_path), spec, "fp32", "cpu",
+                                                                      throughput=400))
+        joined = {o.candidate.name: o for o in _joined(spec, [tracked, untracked, lost], parent_run_id,
+                                                         ArtifactStore(tmp_path / "parent"),
+                                                         {untracked.name: why, "sm90": "build on pool gpu-x failed"})}
+    assert joined[tracked.name].run_id and joined[tracked.name].status == "passed"
+    assert (joined[untracked.name].status, joined[untracked.name].failed_stage, joined[untracked.name].error) == (
+        "failed", "track", why)
+    assert (joined[lost.name].failed_stage, joined[lost.name].error) == ("build", "build on pool gpu-x failed")

@@ -55,7 +55,8 @@ def test_candidate_run_nests_under_pipeline_run_with_its_tags_params_metrics_and
                                  "cache_key", "gate", "status")} == {
         "candidate": f"{spec.name}/int8/cpu", "precision": "int8", "target": "cpu", "arch": f"cpu-{platform.machine()}",
         "backend": "onnxruntime", "backend_version": onnxruntime.__version__, "cache_key": outcome.cache_key,
-        "gate": "passed", "status": "passed"}
+        "gate": "passed", "status": "undecided"}, "its decision is recorded later (finish_candidate)"
+    assert tags["mlflow.note.content"].startswith("**undecided**: passed its gates, not decided yet")
     assert tags["gate_reasons"] == ""
     assert child.data.params["precision.name"] == "int8"
     assert child.data.params["target.backend"] == "onnxruntime"

@@ -22,9 +22,9 @@ from tasks.metrics import stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.registry.card import engine_card
 from tasks.registry.client import _client
-from tasks.registry.runs import (DESCRIPTION_TAG, MAX_TAG_CHARS, OWNER_TAG, _ended_by, _experiment_id,
-                                 candidate_description, candidate_params, candidate_tags, gate_tag, headline_metrics,
-                                 owner_tag, rounded, stage_seconds)
+from tasks.registry.runs import (MAX_TAG_CHARS, OWNER_TAG, _ended_by, _experiment_id, before_decision,
+                                 candidate_params, candidate_tags, gate_tag, headline_metrics, owner_tag, rounded,
+                                 stage_seconds)
 from tasks.registry.uploads import _log_engine
 from tasks.spec import Candidate, PipelineSpec
 from tasks.store import MANIFEST, StageResult
@@ -46,8 +46,7 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
     client = _client()
     metrics = stage_metrics(outcome.stages)
     tags = resolve_tags(candidate_tags(spec, outcome) | (extra_tags or {})
-                        | {MLFLOW_PARENT_RUN_ID: parent_run_id, OWNER_TAG: owner_tag(),
-                           DESCRIPTION_TAG: candidate_description(outcome)})
+                        | {MLFLOW_PARENT_RUN_ID: parent_run_id, OWNER_TAG: owner_tag()} | before_decision(outcome))
     created = client.create_run(_experiment_id(client, spec.name), start_time=_work_started_ms(outcome),
                                 tags=tags, run_name=outcome.candidate.name)
     run = mlflow.start_run(run_id=created.info.run_id, nested=True)
@@ -168,8 +167,8 @@ def candidate_outcome(run_id: str, store_root: Path) -> CandidateOutcome | None:
 
 def record_gates(run_id: str, outcome: CandidateOutcome) -> None:
     """The parent's gate verdict on a run a build logged before it was judged."""
-    tags = {"gate": gate_tag(outcome), "status": outcome.status,
-            "gate_reasons": "; ".join(outcome.gate_reasons)[:MAX_TAG_CHARS]}
+    tags = {"gate": gate_tag(outcome), "gate_reasons": "; ".join(outcome.gate_reasons)[:MAX_TAG_CHARS]}
+    tags |= before_decision(outcome)
     client = _client()
     for key, value in tags.items():
         client.set_tag(run_id, key, value)

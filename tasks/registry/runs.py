@@ -241,6 +241,19 @@ def rounded(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v if not math.isfinite(v) or v == int(v) else float(f"{v:.{digits(k)}g}") for k, v in metrics.items()}
 
 
+UNDECIDED = "undecided"
+
+
+def before_decision(outcome: CandidateOutcome) -> dict[str, str]:
+    """The status tag and description a candidate's run carries until its decision is recorded on it
+    (finish_candidate): one not failed or rejected reads `undecided`, so a run stopped before deciding (an
+    interrupt, the tracking server gone at promotion) leaves no candidate that reads as judged and passed."""
+    if outcome.status != "passed":
+        return {"status": outcome.status, DESCRIPTION_TAG: candidate_description(outcome)}
+    why = "passed its gates, not decided yet" if outcome.gates else "not judged yet"
+    return {"status": UNDECIDED, DESCRIPTION_TAG: f"**{UNDECIDED}**: {why} (a run stopped before deciding leaves it so)"}
+
+
 def candidate_description(outcome: CandidateOutcome) -> str:
     """The child run's description in the MLflow UI: its status and why, the first thing a reader wants."""
     text = f"**{outcome.status}**" + (f": {outcome.reason}" if outcome.reason else "")
