@@ -78,7 +78,8 @@ def _gate_point_problems(spec: PipelineSpec) -> list[Located]:
         return []
     where = ("performance", "at")
     if set(at) not in ({"batch", "seq"}, {"batch", "past"}):
-        return [(where, "expected {batch: N, seq: N} (a prefill) or, for a decoder, {batch: N, past: N} (a decode step)")]
+        return [(where, "expected {batch: N, seq: N} (a prefill) or, for a decoder, {batch: N, past: N} "
+                        "(a decode step)")]
     if "seq" in at:
         if at["batch"] not in bench.batch_sizes or at["seq"] not in bench.seq_lens:
             return [(where, f"{at} is not one of the benchmarked batch_sizes x seq_lens")]
