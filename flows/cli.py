@@ -283,6 +283,8 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
     if not args.verbose:  # Prefect says goodbye to its temporary server at exit, past the capture
         logging.getLogger("prefect").setLevel(logging.WARNING)
     failed = [s for s in summaries if s["status"] == "failed" or s["error"]]
+    from tasks.outcome import pending_events
+
     pending = pending_events(summaries)
     if args.json:
         print(json.dumps({"file": args.file, "ok": not failed, "events_pending": pending, "candidates": summaries},
@@ -370,15 +372,6 @@ def _alias_uris(summaries: list[dict[str, Any]], specs: Any, *, promoted: bool) 
     return sorted({f"models:/{s['registered_model']}@{specs.pipelines[s['pipeline']].promotion.alias}"
                    for s in summaries if s.get("registered_model") and s["pipeline"] in specs.pipelines
                    and (s["status"] == "promoted" if promoted else (s.get("decision") or {}).get("holds_alias"))})
-
-
-def pending_events(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """This run's webhook deliveries that did not get through yet (one per event and webhook)."""
-    seen: dict[str, dict[str, Any]] = {}
-    for summary in summaries:
-        for delivery in summary.get("events") or []:
-            seen[delivery["delivery_id"]] = delivery
-    return [d for d in seen.values() if d["status"] == "pending"]
 
 
 def _reason(summary: dict[str, Any], specs: Any) -> str:

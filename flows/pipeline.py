@@ -33,7 +33,7 @@ from tasks.accuracy import measured_on
 from tasks.champion import champion_build
 from tasks.error_text import described
 from tasks.metrics import key_metrics, stage_metrics
-from tasks.outcome import CandidateOutcome, Champion, tally
+from tasks.outcome import CandidateOutcome, Champion, pending_events, tally
 from tasks.spec import Candidate, PipelineSpec, PipelinesFile, load, point_words
 from tasks.store import TOOL_CACHES, ArtifactStore, StageResult
 
@@ -372,6 +372,8 @@ def flow_end(counts: str, summaries: list[dict[str, Any]]) -> State:
     `smelter run`'s exit code says, so that the Prefect UI, its automations on failed runs and
     `prefect deployment run --watch` see it; `Completed` otherwise. The summaries are its result either way."""
     failed = any(s["status"] == "failed" for s in summaries)
+    if pending := len(pending_events(summaries)):  # a webhook that did not answer: said where the run's end is read
+        counts += f"; {pending} webhook deliver{'y' if pending == 1 else 'ies'} pending (smelter notify --retry)"
     return (Failed if failed else Completed)(message=counts, data=summaries)
 
 

@@ -124,6 +124,15 @@ def tally(statuses: Iterable[str]) -> str:
     return text + (f"; {counts['passed']} passed, not promoted" if counts["passed"] else "")
 
 
+def pending_events(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This run's webhook deliveries that did not get through yet (one per event and webhook)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for summary in summaries:
+        for delivery in summary.get("events") or []:
+            seen[delivery["delivery_id"]] = delivery
+    return [d for d in seen.values() if d["status"] == "pending"]
+
+
 def _repaired(stage: StageResult) -> dict[str, str]:
     """A damaged earlier output of this stage was moved aside and rebuilt: where it went and why."""
     return {"repaired": stage.repaired} if stage.repaired else {}

@@ -135,3 +135,19 @@ def test_the_terminal_ends_with_the_run_in_mlflow_and_what_to_do_next(judged_run
     assert f"/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}" in link
     assert link.split()[2].startswith(mlflow.get_tracking_uri())
     assert lines[-1] == f"Next: deploy models:/{name}-cpu@champion; an unchanged re-run is cached and moves nothing"
+
+
+def test_a_webhook_delivery_left_pending_is_said_in_the_flow_runs_message() -> None:
+    """The flow run's message, what Prefect shows of a run's end, counts the deliveries a webhook did not take
+    (they go out with the next run or `smelter notify --retry`); each delivery once, whichever candidates share it."""
+    from flows.pipeline import flow_end
+
+    delivery = {"delivery_id": "d-1", "status": "pending"}
+    summaries = [{"status": "promoted", "events": [delivery, {"delivery_id": "d-2", "status": "delivered"}]},
+                 {"status": "passed", "events": [delivery]}]
+    state = flow_end("1 promoted, 0 rejected, 0 pending, 0 failed", summaries)
+    assert state.is_completed()
+    assert state.message == ("1 promoted, 0 rejected, 0 pending, 0 failed; 1 webhook delivery pending "
+                             "(smelter notify --retry)")
+    delivered = flow_end("1 promoted", [{"status": "promoted", "events": [{"delivery_id": "d-3", "status": "delivered"}]}])
+    assert delivered.message == "1 promoted"
