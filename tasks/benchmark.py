@@ -35,7 +35,7 @@ from tasks.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read
 from tasks.measure import Contender, Rounds, measure_rounds
 from tasks.models import ModelSource, load_reference, load_tokenizer
 from tasks.outcome import Champion
-from tasks.spec import BenchmarkSpec, ModelSpec, PipelineSpec, ProfileSpec, TargetSpec, is_gate_point
+from tasks.spec import BenchmarkSpec, ModelSpec, PipelineSpec, ProfileSpec, TargetSpec, at_point
 from tasks.stage import KeepPublished, Work, run_stage
 from tasks.store import ArtifactStore, StageResult, StageWriter, file_digest, host_facts, tool_versions
 from tasks.tracking import engine_identity
@@ -193,10 +193,10 @@ def for_candidate(result: StageResult, candidate: str, champion: Champion | None
     label = info["label"] if info else None
     if label is not None and label != candidate:
         comparisons = outputs.get("comparisons", [])
-        mine = {key: [row | _vs(comparisons, row, candidate, label, key == "decode") for row in rows]
+        mine = {key: [row | _vs(comparisons, row, candidate, label) for row in rows]
                 for key, rows in mine.items() if key != "gate_point"}
         at = result.outputs["engines"][candidate]["gate_point"]
-        mine["gate_point"] = next(row for row in mine["points"] + mine.get("decode", []) if is_gate_point(row, at))
+        mine["gate_point"] = next(row for row in mine["points"] + mine.get("decode", []) if at_point(row, at))
     return replace(result, manifest=result.manifest | {"outputs": outputs | mine})
 
 
@@ -284,7 +284,7 @@ def point_budget(config: BenchmarkConfig, point: dict[str, int]) -> tuple[float,
     spans at least `min_seconds` and gets `max_seconds` to reach ±precision; every other point
     describes the engine and gets `survey_seconds`, stopping as soon as it is conclusive."""
     settings = config.settings
-    if is_gate_point(point, config.gate_point):
+    if at_point(point, config.gate_point):
         return settings.min_seconds, settings.max_seconds
     return 0.0, settings.survey_seconds
 
@@ -296,7 +296,7 @@ def _engine_outputs(config: BenchmarkConfig, name: str,
     for point, rounds in measured:
         row = _row(point, rounds, name, config.settings.precision)
         (decode if point["decode"] else points).append(row)
-    gate = next(row for row in points + decode if is_gate_point(row, config.gate_point))
+    gate = next(row for row in points + decode if at_point(row, config.gate_point))
     return {"points": points, "gate_point": gate} | ({"decode": decode} if config.source.model.is_decoder else {})
 
 
@@ -328,13 +328,10 @@ def _comparison_rows(point: dict[str, int], rounds: Rounds, precision: float) ->
     return rows
 
 
-def _vs(comparisons: list[dict[str, Any]], row: dict[str, Any], name: str, baseline: str,
-        decode: bool) -> dict[str, Any]:
+def _vs(comparisons: list[dict[str, Any]], row: dict[str, Any], name: str, baseline: str) -> dict[str, Any]:
     """`name` against `baseline` at the point of `row`, read either way round from the comparison table."""
-    where = {"step": "decode" if decode else "prefill", "batch": row["batch"]}
-    where |= {"past": row["past"]} if decode else {"seq": row["seq"]}
     for found in comparisons:
-        if any(found[k] != v for k, v in where.items()):
+        if not at_point(found, row):
             continue
         if (found["engine"], found["versus"]) == (name, baseline):
             ratio, low, high = found["ratio"], found["ci_low"], found["ci_high"]

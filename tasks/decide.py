@@ -30,7 +30,7 @@ from typing import Any
 
 from tasks.champion import built_from, same_engine, says_cannot_run_here
 from tasks.outcome import CandidateOutcome, Champion, Decision
-from tasks.spec import PipelineSpec, is_gate_point
+from tasks.spec import PipelineSpec, at_point
 
 
 def _gate_point(outcome: CandidateOutcome) -> dict[str, Any]:
@@ -64,7 +64,7 @@ def _lead(best: CandidateOutcome, other: CandidateOutcome) -> tuple[float, float
     point, benchmark = _gate_point(best), best.stages.get("benchmark")
     names = best.candidate.name, other.candidate.name
     for row in (benchmark.outputs.get("comparisons") or []) if benchmark else []:
-        if not point or not is_gate_point(row, point):
+        if not point or not at_point(row, point):
             continue
         if (row["engine"], row["versus"]) == names:
             return row["ratio"], row["ci_low"], row["ci_high"]

@@ -19,13 +19,13 @@ from tasks.config.schema import (DECODER_TASKS, KV_CACHE_TASKS, TARGET_CLASSES, 
                                  ModelSpec, OutputTolerance, PerformanceSpec, PipelineSpec, PipelinesFile, ProfileSpec,
                                  PromotionSpec, QuantizationSpec, ScheduleSpec, Target, Threshold, ValidationSpec,
                                  WebhookSpec, registered_model_name)
-from tasks.config.points import is_decode_point, is_gate_point, point_words
+from tasks.config.points import is_decode_point, at_point, point_words
 
 __all__ = ["DECODER_TASKS", "KV_CACHE_TASKS", "MAX_BATCH", "MAX_SEQ", "PRECISIONS", "TARGET_CLASSES", "TASKS",
            "AccuracyFallbackSpec", "AccuracySpec", "BenchmarkSpec", "CalibrationSpec", "Candidate", "ExportSpec",
            "FleetSpec", "ModelSpec", "OutputTolerance", "PerformanceSpec", "PipelineSpec", "PipelinesFile",
            "ProfileSpec", "PromotionSpec", "QuantizationSpec", "ScheduleSpec", "SpecError", "Target", "TargetSpec",
-           "Threshold", "ValidationSpec", "WebhookSpec", "arch_number", "is_decode_point", "is_gate_point",
+           "Threshold", "ValidationSpec", "WebhookSpec", "arch_number", "is_decode_point", "at_point",
            "load", "parse_bytes", "point_words", "registered_model_name", "select"]
 
 

@@ -34,9 +34,9 @@ def point_words(point: dict[str, int], short: bool = False) -> str:
     return f"b{point['batch']}×s{point['seq']}" if short else f"batch {point['batch']} × seq {point['seq']}"
 
 
-def is_gate_point(point: dict[str, Any], at: dict[str, int]) -> bool:
-    """Whether a timed point, an engine's row or a comparison row is at the gate point `at`: a decode step
-    {batch, past} or a prefill {batch, seq}."""
+def at_point(point: dict[str, Any], at: dict[str, int]) -> bool:
+    """Whether a timed point, an engine's row or a comparison row is at `at` (the gate point, or another row's
+    point): a decode step {batch, past} or a prefill {batch, seq}."""
     decode = bool(point["decode"]) if "decode" in point else (
         point["step"] == "decode" if "step" in point else "seq" not in point)
     if is_decode_point(at):
