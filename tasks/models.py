@@ -110,15 +110,18 @@ def model_source_digest(source: ModelSource) -> str:
     return f"hub:{source.model.id}@{commit or source.model.revision}"
 
 
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a hub commit hash
+
+
 def cached_commit(model_id: str, revision: str) -> str | None:
     """The commit the local hub cache holds for `revision` (a commit is its own), or None."""
     from huggingface_hub import constants
 
-    if re.fullmatch(r"[0-9a-f]{40}", revision):
+    if COMMIT.fullmatch(revision):
         return revision
     ref = Path(constants.HF_HUB_CACHE) / f"models--{model_id.replace('/', '--')}" / "refs" / revision
     try:
         commit = ref.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
-    return commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
+    return commit if COMMIT.fullmatch(commit) else None
