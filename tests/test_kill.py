@@ -109,6 +109,15 @@ def _read(fd: int, seconds: float) -> str:
     return out.decode(errors="replace")
 
 
+def _close_terminal(pid: int, fd: int, code: int | None) -> None:
+    """The run in the terminal killed and reaped unless it exited (`code`), then the terminal closed."""
+    if code is None:  # not reaped yet: still running, or ended before the point
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    os.close(fd)
+
+
 def _wait_exit(pid: int, fd: int, seconds: float) -> tuple[int | None, str]:
     """The exit code (None if still running after `seconds`) and what the terminal showed meanwhile."""
     shown = ""
@@ -145,11 +154,7 @@ def test_ctrl_c_in_a_terminal_stops_the_run_cleanly_and_the_next_completes(
         os.write(fd, b"\x03")  # the terminal turns it into SIGINT for its foreground process group
         code, after = _wait_exit(pid, fd, CTRL_C_WITHIN_S)
     finally:
-        if code is None:  # not reaped yet: still running, or ended before the point
-            with contextlib.suppress(ChildProcessError, ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-        os.close(fd)
+        _close_terminal(pid, fd, code)
     assert code == 130, f"exit {code} after Ctrl-C at {point}:\n{(shown + after)[-3000:]}"
     assert after.count("interrupted (Ctrl-C)") == 1 and "Traceback" not in after, after[-3000:]
     assert "Exception ignored" not in after and "KeyboardInterrupt" not in after, after[-3000:]
@@ -176,11 +181,7 @@ def test_ctrl_c_pressed_twice_as_a_run_starts_ends_it_as_once(
         os.write(fd, b"\x03")
         code, after = _wait_exit(pid, fd, CTRL_C_WITHIN_S)
     finally:
-        if code is None:
-            with contextlib.suppress(ChildProcessError, ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-        os.close(fd)
+        _close_terminal(pid, fd, code)
     said = shown + after
     assert code == 130, f"exit {code} after two Ctrl-C at {after_s} s:\n{said[-3000:]}"
     assert said.count("interrupted (Ctrl-C)") == 1 and "Traceback" not in said, said[-3000:]

@@ -24,23 +24,9 @@ from tasks.backends.table import BACKENDS
 from tasks.backends.tensorrt_target import TensorRTTarget
 from tasks.config.bounds import PRECISIONS
 from tasks.spec import TARGET_CLASSES, SpecError, load, parse_bytes, select
-from tests.fixtures.project_files import header_only_project
+from tests.fixtures.project_files import COSINE, PIPELINE, header_only_project
 
-VALID = """\
-defaults:
-  benchmark: {batch_sizes: [1, 4], seq_lens: [16], warmup: 1}
-pipelines:
-  enc:
-    model: {path: model, task: feature-extraction}
-    profiles:
-      - {batch: [1, 2, 4], seq: [4, 16, 32]}
-    precisions: [fp32, int8]
-    targets:
-      - {name: cpu, backend: onnxruntime}
-    calibration: {samples: 2}
-    accuracy: {data: eval.txt, samples: 2, seq_len: 16, gates: {cosine_mean: {min: 0.99}}}
-    performance: {gates: {p99_ms: {max: 100}}}
-"""
+VALID = PIPELINE.replace("TASK", "feature-extraction").replace("GATES", COSINE)
 GPU_TARGETS = """\
       - {name: cpu, backend: onnxruntime, threads: 2}
       - {name: sm90, backend: tensorrt, arch: sm90, workspace: 2GiB}

@@ -14,24 +14,7 @@ import pytest
 
 from tasks.inputs import read_texts
 from tasks.spec import SpecError, load
-from tests.fixtures.project_files import header_only_project
-
-PIPELINE = """\
-defaults:
-  benchmark: {batch_sizes: [1, 4], seq_lens: [16], warmup: 1}
-pipelines:
-  enc:
-    model: {path: model, task: TASK}
-    profiles:
-      - {batch: [1, 2, 4], seq: [4, 16, 32]}
-    precisions: [fp32, int8]
-    targets:
-      - {name: cpu, backend: onnxruntime}
-    calibration: {samples: 2}
-    accuracy: {data: eval.txt, samples: 2, seq_len: 16, gates: GATES}
-    performance: {gates: {p99_ms: {max: 100}}}
-"""
-COSINE = "{cosine_mean: {min: 0.99}}"
+from tests.fixtures.project_files import COSINE, PIPELINE, header_only_project
 
 
 @pytest.fixture
