@@ -978,48 +978,98 @@ def attention_kernels(cfg: Any, batch: int, seq: int, repeats: int) -> dict[str,
     return out
 
 
-def encoder_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
+MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536,
+              max_position_embeddings=512)
+QUICK_MINILM = {**MINILM, "num_hidden_layers": 2}
+
+
+def encoder_products(cfg: Any, tokens: int, tflops: float, repeats: int) -> dict[str, Any]:
+    """Each layer product of the encoder graph alone through cuBLAS (bias included) at `tokens` rows, and
+    SDPA's fused attention: what the engine's kernels of the same shapes are compared with."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    x = {k: torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16) for k in {h, i}}
+    out: dict[str, Any] = {}
+    for name, (k, n) in {"qkv": (h, 3 * h), "o": (h, h), "up": (h, i), "down": (i, h)}.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        ms = gm.summary(gm.cuda_times_ms(lambda: torch.nn.functional.linear(x[k], w, b), 5, repeats))["median_ms"]
+        flop = 2 * tokens * k * n
+        out[name] = {"shape": [tokens, k, n], "ms": ms, "tflops": round(flop / ms / 1e9, 1),
+                     "fraction_of_gemm_ceiling": round(flop / ms / 1e9 / tflops, 3)}
+    return out
+
+
+def encoder_engine(args: argparse.Namespace, work: Path, name: str, config: dict[str, Any], shapes: list[tuple[int, int]],
+                   ceilings: dict[str, Any]) -> dict[str, Any]:
+    """One encoder shape's engine (built for every shape in `shapes`), beside eager fp32 and bf16 on the
+    same weights: medians, fraction of the bf16 bound, cosine vs fp32, and a kernel profile at each shape."""
     from transformers import BertConfig
 
-    config = QUICK_BERT if args.quick else BERT_BASE
-    batch, seq = 8, 512
-    model_dir = work / "bert"
+    cfg = BertConfig(**config)
+    model_dir = work / name
     make_model("encoder", config, model_dir)
-    flops = gm.encoder_flops(BertConfig(**config), batch, seq)
-    section: dict[str, Any] = {"config": config, "shape": [batch, seq],
-                               "bounds": {"tflop": round(flops / 1e12, 3),
-                                          "bf16_ms": round(gm.bound_ms(flops, ceilings["gemm_bf16"]["tflops"]), 4)}}
-    ids = prompts(config["vocab_size"], batch, seq, 1, 3)[0]
-    mask = torch.ones_like(ids)
-    outs = {}
-    for name, dtype in (("eager_fp32", torch.float32), ("eager_bf16", torch.bfloat16)):
+    tflops = ceilings["gemm_bf16"]["tflops"]
+    section: dict[str, Any] = {"config": config}
+    inputs = {}
+    for batch, seq in shapes:
+        ids = prompts(config["vocab_size"], batch, seq, 1, 3)[0]
+        flops = gm.encoder_flops(cfg, batch, seq)
+        inputs[(batch, seq)] = ids
+        section[f"{batch}x{seq}"] = {"bounds": {"tflop": round(flops / 1e12, 4),
+                                                "bf16_ms": round(gm.bound_ms(flops, tflops), 4)},
+                                     "products_alone": encoder_products(cfg, batch * seq, tflops, args.repeats)}
+    outs: dict[tuple[int, int], dict[str, torch.Tensor]] = {shape: {} for shape in shapes}
+    for who, dtype in (("eager_fp32", torch.float32), ("eager_bf16", torch.bfloat16)):
         model = eager("encoder", model_dir, dtype)
         with torch.no_grad():
-            outs[name] = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
-            section[name] = timed(lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state, 3,
-                                  args.repeats)
+            for shape, ids in inputs.items():
+                mask = torch.ones_like(ids)
+                outs[shape][who] = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+                section[f"{shape[0]}x{shape[1]}"][who] = timed(
+                    lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state, 3, args.repeats)
         del model
     target = {"name": "sm90", "backend": "inductor", "device": "cuda", "arch": detect_gpu().arch,
-              "format": "compiled", "compile_mode": args.compile_mode, "cuda_graphs": False}
-    engine_dir = work / "engine-bert"
+              "format": "compiled", "compile_mode": args.compile_mode}
+    engine_dir = work / f"engine-{name}"
     engine_dir.mkdir()
     backend = InductorBackend()
     started = time.perf_counter()
     section["engine_build"] = backend.build_from_model(
         model_dir, "feature-extraction", "bf16", InductorTarget(**target),
-        [ProfileSpec(batch=[1, batch, batch], seq=[1, seq, seq])], engine_dir)
+        [ProfileSpec(batch=[1, b, b], seq=[1, s, s]) for b, s in shapes], engine_dir)
     section["engine_build"]["cold_build_s"] = round(time.perf_counter() - started, 3)
+    sidecar = json.loads((engine_dir / "engine.json").read_text())
+    section["engine_build"].update({k: sidecar.get(k) for k in ("prefill_graph", "prefill_cuda_graphs", "precompiled")})
     runner = backend.load(engine_dir, InductorTarget(**target))
-    got = runner.prefill(ids, mask).float()
-    section["engine_bf16"] = timed(lambda: runner.prefill(ids, mask), 3, args.repeats)
-    for name, values in (("engine_bf16", got), ("eager_bf16", outs["eager_bf16"])):
-        cosine = torch.nn.functional.cosine_similarity(values, outs["eager_fp32"], dim=-1)
-        section[name]["cosine_vs_fp32_mean"] = round(float(cosine.mean()), 6)
-        section[name]["cosine_vs_fp32_min"] = round(float(cosine.min()), 6)
-    for name in ("engine_bf16", "eager_bf16", "eager_fp32"):
-        section[name]["fraction_of_bf16_gemm_bound"] = round(section["bounds"]["bf16_ms"] / section[name]["median_ms"], 3)
-        section[name]["sequences_per_s"] = round(batch / section[name]["median_ms"] * 1e3, 1)
+    for shape, ids in inputs.items():
+        mask = torch.ones_like(ids)
+        figures = section[f"{shape[0]}x{shape[1]}"]
+        got = runner.prefill(ids, mask).float()
+        figures["engine_bf16"] = timed(lambda: runner.prefill(ids, mask), 3, args.repeats)
+        figures["engine_bf16_kernels"] = gm.kernel_profile(lambda: runner.prefill(ids, mask), top=16)
+        figures["engine_bf16_path"] = ("precompiled, replayed from the runner's CUDA graph"
+                                       if runner._prefill_graphs else "torch.compile")
+        for who, values in (("engine_bf16", got), ("eager_bf16", outs[shape]["eager_bf16"])):
+            cosine = torch.nn.functional.cosine_similarity(values, outs[shape]["eager_fp32"], dim=-1)
+            figures[who]["cosine_vs_fp32_mean"] = round(float(cosine.mean()), 6)
+            figures[who]["cosine_vs_fp32_min"] = round(float(cosine.min()), 6)
+        for who in ("engine_bf16", "eager_bf16", "eager_fp32"):
+            figures[who]["fraction_of_bf16_gemm_bound"] = round(figures["bounds"]["bf16_ms"] / figures[who]["median_ms"], 3)
+            figures[who]["sequences_per_s"] = round(shape[0] / figures[who]["median_ms"] * 1e3, 1)
+    section["engine_dir"] = str(engine_dir)
+    section["target"] = target
+    return section
+
+
+def encoder_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
+    """A BERT-base-shaped encoder at 8 × 512 and a MiniLM-shaped one (all-MiniLM-L6-v2's sizes) at the
+    batches an embedding service runs, each as an inductor bf16 engine beside eager fp32 and bf16."""
+    bert = encoder_engine(args, work, "bert", QUICK_BERT if args.quick else BERT_BASE, [(8, 512)], ceilings)
+    section: dict[str, Any] = {"config": bert.pop("config"), "shape": [8, 512], **bert.pop("8x512"), **bert}
     report.add("encoder", section)
+    minilm = encoder_engine(args, work, "minilm", QUICK_MINILM if args.quick else MINILM, [(32, 128), (256, 128)],
+                            ceilings)
+    report.add("encoder_minilm", minilm)
 
 
 def unprofiled(warm: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -1060,10 +1110,16 @@ def print_table(data: dict[str, Any]) -> None:
                   + "  top-1 vs fp32 " + "  ".join(f"b{b} {figures[f'decode_b{b}_vs_fp32']['top1']} "
                                                   f"{figures[f'decode_b{b}_vs_fp32']['top1_95']}" for b in (8, 64)))
     enc = data.get("encoder", {})
-    if "engine_bf16" in enc:
-        for who in ("engine_bf16", "eager_bf16", "eager_fp32"):
-            print(f"encoder {who:<12} {json.dumps(enc[who])}")
-        print(f"encoder build {json.dumps({k: enc['engine_build'].get(k) for k in ('compile_seconds', 'cold_build_s')})}")
+    minilm = data.get("encoder_minilm", {})
+    for label, figures in [("bert 8x512", enc), *((f"minilm {k}", v) for k, v in minilm.items() if "x" in k)]:
+        if "engine_bf16" in figures:
+            for who in ("engine_bf16", "eager_bf16", "eager_fp32"):
+                print(f"encoder {label} {who:<12} " + json.dumps({k: v for k, v in figures[who].items()
+                                                                   if k not in ("n", "min_ms")}))
+    for label, section in (("bert", enc), ("minilm", minilm)):
+        if "engine_build" in section:
+            print(f"encoder {label} build " + json.dumps({k: section["engine_build"].get(k) for k in (
+                "compile_seconds", "cold_build_s", "prefill_graph", "prefill_cuda_graphs")}))
 
 
 def main() -> None:
@@ -1073,7 +1129,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--check-batches", type=int, default=16, help="8-window batches of data/eval.txt for the top-1 check")
     parser.add_argument("--fp8-check-batches", type=int, help="section decoder_fp8's, if not --check-batches")
-    parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
+    parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs",
+                        help="the bf16 engines' (an encoder's forward is replayed with CUDA graphs in every mode: its "
+                             "target's cuda_graphs)")
     parser.add_argument("--fp8-compile-mode", default="default",
                         help="the fp8 engine's: on the H200, autotuning one fp8 product shape took 154 s (its best "
                              "qkv kernel 0.066 ms, cuBLAS's 0.080 ms), too long for a 10-minute run")

@@ -13,8 +13,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tasks.backends.base import BackendUnavailable, get_backend
+from tasks.backends.encoder_graphs import EncoderPrefill
+from tasks.backends.encoder_graphs import unsupported as unsupported_encoder
 from tasks.backends.inductor import (DecodeSession, EngineMismatch, InductorBackend, export_decode, export_prefill,
-                                     load_problem, versions, warm_shapes)
+                                     load_problem, prefill_graph_name, versions, warm_shapes)
 from tasks.backends.llama_graphs import (FP8_MAX, LlamaPrefill, StaticDecoder, calibrate_input_amax, empty_cache,
                                          fp8_sensitivity)
 from tasks.backends.llama_support import fp8_unsupported, keep_sensitive, product_costs, product_names
@@ -137,6 +139,63 @@ def test_the_prefill_graph_gives_each_rows_next_token_after_its_last_real_token(
     program = export_prefill(llama, causal=True, batch=2, seq=8)
     torch.testing.assert_close(program.module()(ids, mask), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(LlamaPrefill(llama)(ids, mask), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def bert() -> torch.nn.Module:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64)
+    return BertModel(config).eval()
+
+
+def test_the_encoder_graph_computes_berts_hidden_states_with_padding(bert: torch.nn.Module) -> None:
+    """Rows padded to different lengths (one all padding): every token's hidden state is HF's, exported too,
+    and the graph without a mask is HF's on unpadded feeds."""
+    ids = torch.randint(0, 256, (4, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[2, 1:] = 0
+    mask[3, :] = 0
+    with torch.no_grad():
+        expected = bert(input_ids=ids, attention_mask=mask).last_hidden_state
+        program = export_prefill(bert, causal=False, batch=2, seq=8)
+        assert prefill_graph_name(bert, causal=False) == "encoder"
+        torch.testing.assert_close(program.module()(ids, mask), expected, rtol=1e-4, atol=1e-4)
+        unpadded = torch.ones_like(ids)
+        torch.testing.assert_close(EncoderPrefill(bert, padding=False)(ids),
+                                   bert(input_ids=ids, attention_mask=unpadded).last_hidden_state, rtol=1e-4, atol=1e-4)
+    assert not torch.isnan(expected).any()
+
+
+def test_encoders_the_graph_does_not_cover_export_through_the_hf_forward(bert: torch.nn.Module) -> None:
+    from transformers import RobertaConfig, RobertaModel
+
+    config = RobertaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=128, max_position_embeddings=64)
+    assert "model_type bert" in unsupported_encoder(config)
+    relative = copy.deepcopy(bert.config)
+    relative.position_embedding_type = "relative_key"
+    assert "absolute positions" in unsupported_encoder(relative)
+    roberta = RobertaModel(config).eval()
+    assert prefill_graph_name(roberta, causal=False) == "hf"
+    ids = torch.randint(3, 256, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(export_prefill(roberta, causal=False, batch=2, seq=8).module()(ids, torch.ones_like(ids)),
+                                   roberta(input_ids=ids).last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
+def test_an_encoders_forward_is_replayed_with_cuda_graphs_where_cuda_graphs_says() -> None:
+    from tasks.backends.inductor import prefill_cuda_graphs
+
+    gpu = dict(name="gpu", backend="inductor", device="cuda", arch="sm90")
+    assert prefill_cuda_graphs(InductorTarget(**gpu), causal=False)
+    assert not prefill_cuda_graphs(InductorTarget(**gpu, cuda_graphs=False), causal=False)
+    assert not prefill_cuda_graphs(InductorTarget(**gpu), causal=True)  # a decoder's follows compile_mode
+    assert prefill_cuda_graphs(InductorTarget(**gpu, compile_mode="max-autotune"), causal=True)
+    assert not prefill_cuda_graphs(InductorTarget(name="cpu", backend="inductor", device="cpu"), causal=False)
 
 
 def test_fp8_prefill_stays_close_to_the_model(llama: LlamaForCausalLM) -> None:

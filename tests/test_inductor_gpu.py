@@ -86,6 +86,40 @@ def test_a_prefill_replayed_with_cuda_graphs_keeps_each_result(llama_dir: Path, 
             torch.testing.assert_close(got, reference(input_ids=p).logits[:, -1], rtol=1e-3, atol=1e-3)
 
 
+def test_an_encoder_engine_replays_its_forward_and_matches_eager_with_padding(tmp_path: Path) -> None:
+    """A BERT-family engine (smelter's encoder graph) records its forward at the warmed shape and replays it;
+    padded rows give HF's hidden states, and a result held across calls stays its own."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "bert"
+    BertModel(BertConfig(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=256, max_position_embeddings=64)).save_pretrained(model_dir)
+    target = InductorTarget(name="gpu", backend="inductor", device="cuda", arch=detect_gpu().arch,
+                            compile_mode="default")
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    InductorBackend().build_from_model(model_dir, "feature-extraction", "fp32", target,
+                                       [ProfileSpec(batch=[1, 4, 4], seq=[1, 16, 16])], engine)
+    sidecar = json.loads((engine / "engine.json").read_text())
+    assert sidecar["prefill_graph"] == "encoder" and sidecar["prefill_cuda_graphs"]
+    runner = InductorBackend().load(engine, target)
+    reference = BertModel.from_pretrained(model_dir).cuda().eval()
+    feeds = []
+    for i in range(4):
+        ids = torch.randint(0, 512, (4, 16), device="cuda")
+        mask = torch.ones_like(ids)
+        mask[1, 16 - 3 * i - 1:] = 0
+        mask[2, 2:] = 0
+        feeds.append((ids, mask))
+    held = [runner.prefill(ids, mask) for ids, mask in feeds]  # run, record, replay, replay
+    assert [r.graph is not None for r in runner._prefill_graphs.values()] == [True], runner.precompile_problems
+    with torch.no_grad():
+        for (ids, mask), got in zip(feeds, held):
+            torch.testing.assert_close(got, reference(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                       rtol=1e-3, atol=1e-3)
+
+
 def test_engine_refused_on_another_arch(built: tuple[Path, InductorTarget], tmp_path: Path) -> None:
     engine, target = built
     engine = Path(shutil.copytree(engine, tmp_path / "engine"))

@@ -29,7 +29,8 @@ class InductorTarget(TargetSpec):
     compile_mode: Literal["max-autotune-no-cudagraphs", "default", "reduce-overhead", "max-autotune"] = Field(
         "max-autotune-no-cudagraphs", description="the prefill's, as torch.compile reads it: max-autotune* autotune, "
         "reduce-overhead and max-autotune replay CUDA graphs (device: cuda)")
-    cuda_graphs: bool = Field(True, description="replay the decode step with CUDA graphs (device: cuda)")
+    cuda_graphs: bool = Field(True, description="replay the decode step, and an encoder's forward, with CUDA graphs "
+                                                      "(device: cuda)")
     fp8_exclude: list[Pattern] = Field(default_factory=list, max_length=MAX_PATTERNS,
                                        description="an fp8 build's products kept in bf16: globs over "
                                                    "layers.<i>.qkv|o|gate_up|down")
