@@ -29,6 +29,10 @@ CPUINFO = Path("/proc/cpuinfo")
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
              "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16",
              "asimd", "asimddp", "sve", "sve2", "i8mm", "bf16")
+# Where the CPU's int8 dot product sums in 32 bits. x86 without them multiplies u8 by s8 with VPMADDUBSW, which
+# adds each pair of products into 16 bits and saturates (2 x 255 x 127 > 32767): ONNX Runtime's quantization
+# docs advise 7-bit weights (reduce_range) there. Arm's dot products (and its plain widening path) are exact.
+EXACT_INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 # TargetSpec.optimization_level (0-5, shared with TensorRT) mapped onto ORT's graph optimization levels.
 GRAPH_LEVELS = {0: "ORT_DISABLE_ALL", 1: "ORT_ENABLE_BASIC", 2: "ORT_ENABLE_EXTENDED"}
 TOP_GRAPH_LEVEL = "ORT_ENABLE_ALL"
@@ -51,6 +55,15 @@ def cpu_isa(cpuinfo: Path = CPUINFO) -> dict[str, Any]:
             flags = set(value.split())
     return {"arch": f"cpu-{machine}", "machine": machine, "cpu": model_name or platform.processor() or machine,
             "isa": [flag for flag in ISA_FLAGS if flag in flags]}
+
+
+def int8_products(isa: dict[str, Any] | None = None) -> str:
+    """'exact' where int8 products sum in 32 bits (VNNI, AMX, Arm), 'saturating' on x86 without VNNI: the int8
+    CPU graph is then quantized with 7-bit weights, whose pair of products cannot leave 16 bits (2 x 255 x 64)."""
+    isa = isa or cpu_isa()
+    if isa["machine"] not in ("x86_64", "AMD64", "i386", "i686"):
+        return "exact"
+    return "exact" if set(EXACT_INT8_FLAGS) & set(isa["isa"]) else "saturating"
 
 
 def graph_level_name(target: TargetSpec) -> str:
