@@ -36,9 +36,10 @@ MAX_CALLS_PER_SLOT = 64
 SLOT_WARM_CALLS = 2
 MAX_ROUNDS = 2000
 ORDER_SEED = 20261204  # the slot order of every round: drawn, but the same each run
-# A pause before every slot: the thread pool of the engine that just ran spins for a while after its last
-# call (ONNX Runtime, OpenMP), taking cores from the next engine's threads, which a timer of one engine
-# alone never sees. Found by benchmarks/interval_vs_timer.py.
+# A pause before every slot: the OpenMP pool of the PyTorch reference spins for a moment after its last call,
+# taking cores from the next engine's threads, which a timer of one engine alone never sees. ONNX Runtime's pool
+# spun far longer (tens of ms to seconds): its engines stop spinning when a call returns (RUNTIME_CONFIG in
+# tasks/backends/onnxruntime.py), which no pause could replace. Checked by benchmarks/engine_alone.py.
 SETTLE_S = 0.01
 
 # Times `n` calls of one engine and returns each call's milliseconds.
