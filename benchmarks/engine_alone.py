@@ -13,7 +13,7 @@ with the passes' min-max spread beside it: a spread wider than a tolerance is sa
 
 Tolerances (in-run vs alone): p50 within 10%, p99 within 25%, speedup within 10%.
 Usage: python benchmarks/engine_alone.py [-f pipelines.yaml] [--pipeline NAME ...] [--passes 5] [--calls 200]
-       [--json OUT]
+       [--all-points] [--json OUT]
 """
 
 from __future__ import annotations
@@ -110,13 +110,30 @@ def within(recorded: float, measured: float, tolerance: float) -> str:
     return f"{off:+.1%} {'ok' if abs(off) <= tolerance else 'OFF'}"
 
 
+def rows_at(engine: dict[str, Any], point: dict[str, int]) -> dict[str, Any]:
+    """The recorded row of one engine at `point`."""
+    key = "decode" if point["decode"] else "points"
+    return next(row for row in engine.get(key, []) if gate_shape(row) == point)
+
+
 def check_target(args: argparse.Namespace, pipeline: str, target: str, measurement: dict[str, Any],
-                 artifacts: Path) -> dict[str, Any]:
+                 artifacts: Path) -> list[dict[str, Any]]:
+    outputs = measurement["outputs"]
+    engines = outputs["engines"]
+    candidates = list(engines)
+    first = engines[candidates[0]]
+    points = [gate_shape(first["gate_point"])]
+    if args.all_points:
+        points = [gate_shape(row) for row in first["points"] + first.get("decode", [])]
+    return [check_point(args, pipeline, target, measurement, artifacts, point) for point in points]
+
+
+def check_point(args: argparse.Namespace, pipeline: str, target: str, measurement: dict[str, Any],
+                artifacts: Path, point: dict[str, int]) -> dict[str, Any]:
     outputs = measurement["outputs"]
     builds = measurement["inputs"]["builds"]
     candidates = list(outputs["engines"])
-    gate = {name: outputs["engines"][name]["gate_point"] for name in candidates}
-    point = gate_shape(gate[candidates[0]])
+    recorded_rows = {name: rows_at(outputs["engines"][name], point) for name in candidates}
     engine_dirs = {name: str(artifacts / pipeline / "build" / builds[name]) for name in candidates}
     contenders = [REFERENCE] + candidates
     samples: dict[str, list[list[float]]] = {name: [] for name in contenders}
@@ -135,19 +152,20 @@ def check_target(args: argparse.Namespace, pipeline: str, target: str, measureme
         p99s = [float(np.percentile(s, 99)) for s in samples[name]]
         figures[name] = {"p50_ms": statistics.median(p50s), "p50_spread": [min(p50s), max(p50s)],
                          "p99_ms": statistics.median(p99s), "p99_spread": [min(p99s), max(p99s)]}
-    for name in candidates:
+    for name in candidates:  # each pass's ratio of medians, the reference and the engine timed minutes apart
         ratios = [statistics.median(r) / statistics.median(e) for r, e in zip(samples[REFERENCE], samples[name])]
         figures[name] |= {"speedup": statistics.median(ratios), "speedup_spread": [min(ratios), max(ratios)]}
     rows = []
-    reference_row = gate[candidates[0]]
-    print(f"\n{pipeline}/{target} at {point}, {len(candidates)} candidate(s); measurement {measurement['_dir']}; "
-          f"recorded with other processes at {outputs['host'].get('foreign_cpu_share')} of the CPU")
+    reference_row = recorded_rows[candidates[0]]
+    print(f"\n{pipeline}/{target} at {point}, {len(candidates)} candidate(s), {args.passes} passes of {args.calls} "
+          f"calls; measurement {measurement['_dir']} (other processes used "
+          f"{outputs['host'].get('foreign_cpu_share')} of the CPU while it was taken)")
     print(f"{'contender':<24} {'in-run p50':>10} {'alone p50 [spread]':>26} {'':>10} {'in-run p99':>10} "
           f"{'alone p99 [spread]':>26} {'':>10} {'in-run x':>8} {'alone x [spread]':>22}")
     for name in contenders:
         mine = figures[name]
         recorded = ({"p50_ms": reference_row["reference_p50_ms"], "p99_ms": reference_row["reference_p99_ms"]}
-                    if name == REFERENCE else gate[name])
+                    if name == REFERENCE else recorded_rows[name])
         row = {"contender": name, "in_run_p50_ms": recorded["p50_ms"], "in_run_p99_ms": recorded["p99_ms"]} | mine
         line = (f"{name:<24} {recorded['p50_ms']:>10.2f} {mine['p50_ms']:>9.2f} [{mine['p50_spread'][0]:.2f}, "
                 f"{mine['p50_spread'][1]:.2f}] {within(recorded['p50_ms'], mine['p50_ms'], TOLERANCE['p50_ms']):>10} "
@@ -155,12 +173,14 @@ def check_target(args: argparse.Namespace, pipeline: str, target: str, measureme
                 f"{mine['p99_spread'][1]:.2f}] {within(recorded['p99_ms'], mine['p99_ms'], TOLERANCE['p99_ms']):>10}")
         if name != REFERENCE:
             row["in_run_speedup"] = recorded["speedup_vs_reference"]
-            line += (f" {recorded['speedup_vs_reference']:>8.3f} {mine['speedup']:>7.3f} [{mine['speedup_spread'][0]:.3f}, "
-                     f"{mine['speedup_spread'][1]:.3f}] {within(recorded['speedup_vs_reference'], mine['speedup'], TOLERANCE['speedup'])}")
+            line += (f" {recorded['speedup_vs_reference']:>8.3f} {mine['speedup']:>7.3f} "
+                     f"[{mine['speedup_spread'][0]:.3f}, {mine['speedup_spread'][1]:.3f}] "
+                     f"{within(recorded['speedup_vs_reference'], mine['speedup'], TOLERANCE['speedup'])}")
         print(line)
         rows.append(row)
     return {"pipeline": pipeline, "target": target, "point": point, "measurement": measurement["_dir"],
-            "host": outputs["host"], "threads": outputs["threads"], "rows": rows}
+            "host": outputs["host"], "threads": outputs["threads"], "passes": args.passes, "calls": args.calls,
+            "rows": rows}
 
 
 def main() -> int:
@@ -171,6 +191,7 @@ def main() -> int:
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--all-points", action="store_true", help="every point the stage measured, not only the gate point")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -195,7 +216,7 @@ def main() -> int:
             if measurement is None:
                 print(f"{name}/{target.name}: no measurement in {artifacts}: run `smelter run` first")
                 continue
-            results.append(check_target(args, name, target.name, measurement, artifacts))
+            results += check_target(args, name, target.name, measurement, artifacts)
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": isa, "results": results}, indent=2) + "\n")
     return 0
