@@ -3,7 +3,8 @@
 Prints the CPU's ISA flags, then for one batch x seq, side by side: PyTorch eager FP32, ONNX Runtime
 FP32 (ORT's own fusions, and the transformer optimizer's fused Attention/SkipLayerNorm/BiasGelu), the
 TensorRT-style S8 Q/DQ graph (model.onnx of the int8 precision stage), the CPU int8 graphs
-(model.cpu.onnx, dynamic and qdq-u8s8) and dynamic int8 of the transformer-optimized graph with and
+(model.cpu.onnx, dynamic and qdq-u8s8; dynamic also with the 7-bit weights smelter writes for a CPU without
+VNNI, whose int8 products saturate) and dynamic int8 of the transformer-optimized graph with and
 without per-channel weights: median latency, speed vs eager with its 95% interval (paired rounds,
 tasks.stats.paired_ratio), and mean/min cosine of the mean-pooled sentence embeddings vs PyTorch FP32
 on held-out real text. Engines are timed round-robin so a noisy shared machine slows them all alike.
@@ -14,6 +15,7 @@ on held-out real text. Engines are timed round-robin so a noisy shared machine s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import statistics
 import tempfile
@@ -32,8 +34,9 @@ from tasks.accuracy import cosine, mean_pool
 from tasks.export import run_export
 from tasks.inputs import encoder_feeds, read_texts, reference_outputs
 from tasks.models import ModelSource, load_reference, load_tokenizer
-from tasks.backends.onnxruntime import cpu_isa
-from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, run_precision
+from tasks.backends.onnxruntime import RUNTIME_CONFIG, cpu_isa
+from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, PrecisionConfig, precision_work, run_precision
+from tasks.stage import run_stage
 from tasks.stats import paired_ratio
 from tasks.store import ArtifactStore
 
@@ -60,6 +63,8 @@ def _spec(root: Path, args: argparse.Namespace, cpu_format: str) -> spec_module.
 def _session_runner(path: Path, threads: int) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    for key, value in RUNTIME_CONFIG.items():  # as smelter's engines run: no pool spinning into the next one
+        options.add_session_config_entry(key, value)
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     return lambda feeds: session.run(None, {n: feeds[n] for n in names})[0]
@@ -101,6 +106,8 @@ def main() -> None:
         specs = {fmt: _spec(root, args, fmt) for fmt in ("dynamic", "qdq-u8s8")}
         exported = run_export(specs["dynamic"], store)
         int8 = {fmt: run_precision(spec, exported, "int8", store) for fmt, spec in specs.items()}
+        seven_bit = dataclasses.replace(PrecisionConfig.of(specs["dynamic"], "int8"), cpu_int8_products="saturating")
+        int8["dynamic 7-bit"] = run_stage(precision_work(seven_bit, exported), store)
         print("excluded nodes:", int8["dynamic"].outputs["excluded_nodes"])
         print("excluded in the fused cpu graph:", int8["dynamic"].outputs["cpu_excluded_nodes"])
 
@@ -130,6 +137,7 @@ def main() -> None:
             "ort fp32": _session_runner(exported.file(MODEL_FILE), args.threads),
             "ort int8 tensorrt-qdq": _session_runner(int8["dynamic"].file(MODEL_FILE), args.threads),
             "ort int8 cpu dynamic": _session_runner(int8["dynamic"].file(CPU_MODEL_FILE), args.threads),
+            "ort int8 cpu dynamic 7-bit": _session_runner(int8["dynamic 7-bit"].file(CPU_MODEL_FILE), args.threads),
             "ort int8 cpu qdq-u8s8": _session_runner(int8["qdq-u8s8"].file(CPU_MODEL_FILE), args.threads),
         }
         cosines: dict[str, list[float]] = {name: [] for name in engines}

@@ -643,43 +643,50 @@ COMMANDS = {"run": cmd_run, "plan": cmd_plan, "validate": cmd_validate, "notify"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The exit code: 2 for bad usage or an invalid pipelines file, reported before any work starts."""
-    from tasks.spec import SpecError
+    """The exit code: 2 for bad usage or an invalid pipelines file, reported before any work starts.
 
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as e:  # argparse has printed the usage and why
-        return e.code if isinstance(e.code, int) else EXIT_INVALID
-    _stores_beside_the_file(args)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # and the client's too: on a terminal Prefect's first import prints a usage-data notice before any capture
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    # Prefect's temporary server gets 20 s to start by default; a busy 2-core machine needs longer.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    _bound_client_retries()
-    if args.command not in ("validate", "plan"):
-        from tasks import scratch
-
-        scratch.activate()  # library temp files in a dir of this process's; a killed run's is removed
+    The stop handlers come first, before any heavy import (pydantic, Prefect, torch): a Ctrl-C pressed right
+    after Enter lands while they load, and without the handler Python's own killed the process with a
+    traceback."""
     in_main_thread = threading.current_thread() is threading.main_thread()
+    stop_signals.received.clear()
+    _delivered.clear()
     previous = {signum: signal.signal(signum, _on_stop_signal) for signum in STOP_SIGNALS
                 # a SIGINT the shell ignores (a background job) stays ignored
                 if in_main_thread and signal.getsignal(signum) is not signal.SIG_IGN}
-    stop_signals.received.clear()
-    _delivered.clear()
     _unraisable_hooks[:] = [sys.unraisablehook]
     sys.unraisablehook = _record_swallowed_stop
+    command = None
     try:
-        return COMMANDS[args.command](args)
-    except SpecError as e:
-        for problem in e.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        return EXIT_INVALID
+        from tasks.spec import SpecError
+
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit as e:  # argparse has printed the usage and why
+            return e.code if isinstance(e.code, int) else EXIT_INVALID
+        command = args.command
+        _stores_beside_the_file(args)
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        # and the client's too: on a terminal Prefect's first import prints a usage-data notice before any capture
+        os.environ.setdefault("DO_NOT_TRACK", "1")
+        # Prefect's temporary server gets 20 s to start by default; a busy 2-core machine needs longer.
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+        _bound_client_retries()
+        if command not in ("validate", "plan"):
+            from tasks import scratch
+
+            scratch.activate()  # library temp files in a dir of this process's; a killed run's is removed
+        try:
+            return COMMANDS[command](args)
+        except SpecError as e:
+            for problem in e.problems:
+                print(f"error: {problem}", file=sys.stderr)
+            return EXIT_INVALID
     except (KeyboardInterrupt, stop_signals.Terminated):
-        return _stop_code(args.command, caught=sys.exc_info()[1])
+        return _stop_code(command, caught=sys.exc_info()[1])
     except Exception as e:
         if stop_signals.received:  # the interrupt, swallowed, left only a library's error behind
-            return _stop_code(args.command)
+            return _stop_code(command)
         from tasks.tracking import ServerLost
 
         if not isinstance(e, ServerLost):
@@ -747,7 +754,7 @@ def _record_swallowed_stop(unraisable: Any) -> None:
     (_unraisable_hooks or [sys.__unraisablehook__])[0](unraisable)
 
 
-def _stop_code(command: str, caught: BaseException | None = None) -> int | None:
+def _stop_code(command: str | None, caught: BaseException | None = None) -> int | None:
     """The exit code and line of a stopped command (the signal received first wins), or None."""
     signum = stop_signals.received[0] if stop_signals.received else None
     if signum is None and caught is None:
@@ -757,7 +764,7 @@ def _stop_code(command: str, caught: BaseException | None = None) -> int | None:
     return _stopped("interrupted (Ctrl-C)", EXIT_INTERRUPTED, command)
 
 
-def _stopped(how: str, code: int, command: str) -> int:
+def _stopped(how: str, code: int, command: str | None) -> int:
     after = ("; the unfinished stage was dropped and its MLflow runs marked KILLED. Finished stages are kept: "
              "run again to go on.") if command == "run" else ""
     print(f"smelter: {how}{after}", file=sys.stderr)

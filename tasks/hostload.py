@@ -1,13 +1,18 @@
 """How busy this host was while a measurement ran: the evidence for calling it contended.
 
 Load averages lag by a minute, so the decisive figure is the share of the CPU that other
-processes used during the measurement, from /proc/stat minus this process's own CPU time.
+processes used during the measurement, from /proc/stat minus this process's own CPU time. The
+temporary Prefect server is another process, so it counts; so does this process's own other work
+(Prefect's log and event workers, MLflow's, the progress line, another task's thread): the CPU of
+every Python thread but the measuring one (alive when the measurement ends: those workers live as long as
+the run) is counted with the other processes, and said apart.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +50,22 @@ def _own_ticks() -> int:
     return round((times.user + times.system) * os.sysconf("SC_CLK_TCK"))
 
 
+def _thread_ticks(tid: int) -> int:
+    """One thread's CPU time in clock ticks (0 once it has ended, or off Linux)."""
+    try:
+        fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+def _other_threads() -> dict[int, int]:
+    """CPU ticks so far of this process's Python threads other than the calling one."""
+    me = threading.get_native_id()
+    return {t.native_id: _thread_ticks(t.native_id) for t in threading.enumerate()
+            if t.native_id is not None and t.native_id != me}
+
+
 def _load() -> float:
     try:
         return round(os.getloadavg()[0], 2)
@@ -61,6 +82,7 @@ class HostLoad:
     load_start: float
     load_end: float | None = None
     foreign_cpu_share: float | None = None
+    own_threads_cpu_share: float | None = None  # of it, this process's threads other than the measuring one
     contended_above: float = CONTENDED_SHARE
 
     @property
@@ -69,7 +91,8 @@ class HostLoad:
 
     def as_dict(self) -> dict[str, object]:
         return {"cpu": self.cpu, "cores": self.cores, "load_start": self.load_start, "load_end": self.load_end,
-                "foreign_cpu_share": self.foreign_cpu_share, "contended": self.contended,
+                "foreign_cpu_share": self.foreign_cpu_share, "own_threads_cpu_share": self.own_threads_cpu_share,
+                "contended": self.contended,
                 "contended_above": self.contended_above}
 
 
@@ -82,6 +105,7 @@ class LoadWatch:
 
     def __enter__(self) -> HostLoad:
         self._wall, self._busy, self._own = time.monotonic(), _busy_ticks(), _own_ticks()
+        self._threads = _other_threads()
         self.load = HostLoad(cpu_model(), os.cpu_count() or 1, _load(), contended_above=self._contended_above)
         return self.load
 
@@ -91,6 +115,8 @@ class LoadWatch:
         wall = time.monotonic() - self._wall
         if busy is None or self._busy is None or wall <= 0:
             return
-        foreign = (busy - self._busy) - (_own_ticks() - self._own)
+        threads = sum(ticks - self._threads.get(tid, 0) for tid, ticks in _other_threads().items())
+        foreign = (busy - self._busy) - (_own_ticks() - self._own) + max(threads, 0)
         capacity = wall * os.sysconf("SC_CLK_TCK") * self.load.cores
         self.load.foreign_cpu_share = round(min(max(foreign / capacity, 0.0), 1.0), 3)
+        self.load.own_threads_cpu_share = round(min(max(threads / capacity, 0.0), 1.0), 3)

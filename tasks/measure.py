@@ -5,8 +5,8 @@ run is repeatable) and reversed in the round after (ABBA): every engine runs bef
 other one equally often, so an engine that leaves the machine warm or busy for whoever follows
 (spinning thread pools, caches, clocks) biases no ratio. A plain rotation (ABC, BCA, CAB) would not
 do: B always follows A. A slot is a few calls (enough to last SLOT_MS; its median is the round's
-value), so a sub-millisecond engine is not timed on one noisy call; its first calls are untimed (the
-first calls after another engine ran refill the caches it evicted, a cost an engine serving alone
+value), so a sub-millisecond engine is not timed on one noisy call; its first call (or two) is untimed
+(the first calls after another engine ran refill the caches it evicted, a cost an engine serving alone
 never pays, and in a slot of five calls one slow call moves the median). One untimed round runs
 first (each engine's first slot after the others ran is its slowest). Rounds continue until every requested ratio's 95% interval is within
 ±precision (conclusive, checked from `min_rounds` on, so a lucky few rounds cannot end it), or
@@ -30,15 +30,18 @@ from tasks.stats import MIN_ROUNDS, Ratio, paired_ratio, recent_widest, serial_i
 
 SLOT_MS = 25.0
 MAX_CALLS_PER_SLOT = 64
-# Untimed calls that open every slot, at most a quarter of its timed calls (a slot of a few long calls cannot
-# afford them). With them, fp32 vs int8 at batch 8 (5-9 calls a slot) agreed with a timer that warms each
-# block in 11 of 12 repeats, 7 of 12 without (benchmarks/interval_vs_timer.py, the timer interleaved).
+# Untimed calls that open every slot: at least one, and up to 2 where a slot has 8 timed calls or more. The first
+# call after another engine ran is never timed: an engine serving alone never meets the caches, allocator and
+# sleeping threads another engine left behind. Timing it made minilm's reference read 15% slower than alone on a
+# quiet machine and up to 4x on a busy one (benchmarks/engine_alone.py); with it, fp32 vs int8 at batch 8 agreed
+# with a timer that warms each block in 11 of 12 repeats, 7 of 12 without (benchmarks/interval_vs_timer.py).
 SLOT_WARM_CALLS = 2
 MAX_ROUNDS = 2000
 ORDER_SEED = 20261204  # the slot order of every round: drawn, but the same each run
-# A pause before every slot: the thread pool of the engine that just ran spins for a while after its last
-# call (ONNX Runtime, OpenMP), taking cores from the next engine's threads, which a timer of one engine
-# alone never sees. Found by benchmarks/interval_vs_timer.py.
+# A pause before every slot: the OpenMP pool of the PyTorch reference spins for a moment after its last call,
+# taking cores from the next engine's threads, which a timer of one engine alone never sees. ONNX Runtime's pool
+# spun far longer (tens of ms to seconds): its engines stop spinning when a call returns (RUNTIME_CONFIG in
+# tasks/backends/onnxruntime.py), which no pause could replace. Checked by benchmarks/engine_alone.py.
 SETTLE_S = 0.01
 
 # Times `n` calls of one engine and returns each call's milliseconds.
@@ -113,7 +116,7 @@ def _calls_per_slot(timer: Timer) -> int:
 
 def _slot(timer: Timer, calls: int) -> list[float]:
     """One slot's timed calls, after its untimed opening ones."""
-    warm = min(SLOT_WARM_CALLS, calls // 4)
+    warm = max(1, min(SLOT_WARM_CALLS, calls // 4))
     return timer(warm + calls)[warm:]
 
 

@@ -61,13 +61,18 @@ class PrecisionConfig:
     quantization: QuantizationSpec | None = None
     calibration: CalibrationSource | None = None
     fallback: PipelineSpec | None = None
+    # How this host's CPU adds int8 products (tasks/backends/onnxruntime.py int8_products): a CPU graph made for
+    # one that saturates has 7-bit weights, so the choice is part of the key.
+    cpu_int8_products: str = "exact"
 
     @classmethod
     def of(cls, spec: PipelineSpec, precision: str) -> PrecisionConfig:
         if precision != "int8":
             return cls(spec.name, precision)
+        from tasks.backends.onnxruntime import int8_products
+
         fallback = spec if spec.quantization.accuracy_fallback is not None else None
-        return cls(spec.name, precision, spec.quantization, CalibrationSource.of(spec), fallback)
+        return cls(spec.name, precision, spec.quantization, CalibrationSource.of(spec), fallback, int8_products())
 
 
 def precision_key(export_result: StageResult, spec: PipelineSpec, precision: str) -> str:
@@ -109,7 +114,7 @@ def _settings(config: PrecisionConfig) -> dict[str, Any]:
         calib = config.calibration
         settings |= {"quantization": config.quantization, "calibration": calib.calibration,
                      "calibration_data_sha256": file_digest(calib.data_path), "calibration_past": calib.past,
-                     "op_types": list(QUANTIZED_OP_TYPES)}
+                     "op_types": list(QUANTIZED_OP_TYPES), "cpu_int8_products": config.cpu_int8_products}
         if config.fallback is not None:  # the fallback aims at these gates
             from tasks.int8_fallback import gated_metrics
 
@@ -327,7 +332,8 @@ def _int8(config: PrecisionConfig, source: Path, out_dir: Path) -> dict[str, Any
                                               op_types, quantize)
         fallback = {"accuracy_fallback": record}
     lint = check_qdq(onnx.load(str(out_dir / MODEL_FILE)), f"{config.pipeline} int8 {MODEL_FILE}")
-    cpu_excluded, uncalibrated, fusion = _cpu_int8(quant, model, source, out_dir, excluded, method)
+    cpu_excluded, uncalibrated, fusion = _cpu_int8(quant, model, source, out_dir, excluded, method,
+                                                   reduce_range=config.cpu_int8_products == "saturating")
     if fallback:
         from tasks.int8_fallback import graph_metrics
 
@@ -339,12 +345,14 @@ def _int8(config: PrecisionConfig, source: Path, out_dir: Path) -> dict[str, Any
                                  "samples": settings.samples, "method": settings.method, "seq_len": settings.seq_len,
                                  "batch_size": settings.batch_size, "batches": len(batches)},
                     cpu_format=quant.cpu_format, cpu_fusion=fusion, cpu_excluded_nodes=cpu_excluded,
-                    cpu_uncalibrated=uncalibrated)
+                    cpu_uncalibrated=uncalibrated, cpu_int8_products=config.cpu_int8_products,
+                    cpu_weight_bits=7 if config.cpu_int8_products == "saturating" else 8)
 
 
 def _cpu_int8(quant: QuantizationSpec, model: onnx.ModelProto, source: Path, out_dir: Path, excluded: list[str],
-              method: CalibrationMethod) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
-    """model.cpu.onnx: the fused graph, int8 in the form ONNX Runtime's x86 kernels run fast.
+              method: CalibrationMethod, reduce_range: bool = False) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+    """model.cpu.onnx: the fused graph, int8 in the form ONNX Runtime's x86 kernels run fast; with 7-bit weights
+    (`reduce_range`) for a CPU whose int8 products saturate (tasks/backends/onnxruntime.py int8_products).
 
     Returns the fused graph's excluded nodes, what uncalibrated() found (nothing for dynamic,
     which measures ranges on every call) and the fusion level used (fuse_for_cpu).
@@ -357,7 +365,7 @@ def _cpu_int8(quant: QuantizationSpec, model: onnx.ModelProto, source: Path, out
         fusion = fuse_for_cpu(source, fused_path)
         fused = onnx.load(str(fused_path))
         cpu_excluded = fused_exclusions(model, fused, excluded)
-        common = {"per_channel": True, "weight_type": QuantType.QInt8}
+        common = {"per_channel": True, "weight_type": QuantType.QInt8, "reduce_range": reduce_range}
         if quant.cpu_format == "dynamic":
             quantize_dynamic(fused_path, out_dir / CPU_MODEL_FILE, nodes_to_exclude=cpu_excluded,
                              op_types_to_quantize=[t for t in CPU_DYNAMIC_OP_TYPES if t not in skip_types], **common)

@@ -91,3 +91,43 @@ def test_cpu_isa_reads_arm_features(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd asimddp sve i8mm bf16\nCPU part\t: 0xd40\n")
     assert cpu_isa(cpuinfo)["isa"] == ["asimd", "asimddp", "sve", "i8mm", "bf16"]
+
+
+def _matmul_chain(path: Path, width: int = 512, depth: int = 8) -> Path:
+    """Products large enough that ONNX Runtime splits them over its intra-op pool."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.random.default_rng(0).random((width, width), dtype=np.float32), "w")
+    nodes, previous = [], "x"
+    for i in range(depth):
+        nodes.append(helper.make_node("MatMul", [previous, "w"], [f"y{i}"]))
+        previous = f"y{i}"
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, width])],
+                              [helper.make_tensor_value_info(previous, TensorProto.FLOAT, [None, width])], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_an_engines_thread_pool_stops_spinning_when_its_call_returns(tmp_path: Path) -> None:
+    """Between calls the engine takes no CPU: an idle pool that spins on (ONNX Runtime's default, tens of ms
+    to seconds) takes a core from whatever runs next, in a benchmark the next engine or the reference."""
+    import os
+    import time
+
+    target = OnnxRuntimeTarget(name="cpu", backend="onnxruntime", threads=2)
+    out = tmp_path / "engine"
+    out.mkdir()
+    OnnxRuntimeBackend().build(_matmul_chain(tmp_path / "chain.onnx"), target, [], out, tmp_path / "cache")
+    assert json.loads((out / SIDECAR).read_text())["session_options"]["config_entries"] == {
+        "session.force_spinning_stop": "1"}
+    runner = OnnxRuntimeBackend().load(out, target)
+    feeds = {"x": np.random.default_rng(1).random((64, 512), dtype=np.float32)}
+    idle_cpu = 0.0
+    for _ in range(10):
+        runner.infer(feeds)
+        before = os.times()
+        time.sleep(0.1)
+        after = os.times()
+        idle_cpu += (after.user + after.system) - (before.user + before.system)
+    runner.close()
+    assert idle_cpu < 0.05, f"{idle_cpu:.3f} s of CPU in 1 s of idle time between calls"

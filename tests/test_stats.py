@@ -234,8 +234,8 @@ def test_where_correlated_rounds_stop_the_interval_covers_at_least_93_percent() 
 
 def test_a_slot_opens_with_untimed_calls_when_it_can_afford_them() -> None:
     """The first calls after another engine ran pay for the caches it evicted, which an engine serving alone never
-    does: a slot of many short calls opens with SLOT_WARM_CALLS untimed ones; a slot of a few long calls (at most a
-    quarter of its calls may be untimed) gets none, so a slow engine's rounds do not grow by half."""
+    does: a slot of many short calls opens with SLOT_WARM_CALLS untimed ones; a slot of a few long calls with one
+    (its first call, the one that pays)."""
     from tasks.measure import SLOT_WARM_CALLS
 
     asked: dict[str, list[int]] = {"short": [], "long": []}
@@ -250,8 +250,8 @@ def test_a_slot_opens_with_untimed_calls_when_it_can_afford_them() -> None:
                             max_seconds=5, precision=0.5)
     assert rounds.calls_per_slot == {"short": 25, "long": 3}
     slots = rounds.count
-    assert asked["short"][-slots:] == [25 + SLOT_WARM_CALLS] * slots and asked["long"][-slots:] == [3] * slots
-    assert max(rounds.calls_ms("short")) == 1.0, "an untimed opening call was kept"
+    assert asked["short"][-slots:] == [25 + SLOT_WARM_CALLS] * slots and asked["long"][-slots:] == [4] * slots
+    assert max(rounds.calls_ms("short")) == 1.0 and max(rounds.calls_ms("long")) == 10.0, "an opening call was kept"
 
 
 def test_a_widening_estimated_on_the_first_few_rounds_does_not_hold_for_good() -> None:
@@ -273,3 +273,17 @@ def test_a_widening_estimated_on_the_first_few_rounds_does_not_hold_for_good() -
     assert early > 3, "the drifting start should look correlated"
     assert final.widening < 2 and final.half_width < 0.01, final  # every look's largest: 8.0
     assert final == looked_ratio(rounds.slot_ms("a"), rounds.slot_ms("b"), 10)
+
+
+def test_the_first_call_of_every_slot_is_never_timed() -> None:
+    """The call after another engine ran meets the caches and sleeping threads that engine left: an engine alone
+    never pays it, so a slot opens with an untimed call even when it has one timed call only."""
+    def cold_first(name: str, ms: float) -> Contender:
+        return Contender(name, lambda n: [10 * ms] + [ms] * (n - 1))  # each slot's first call, 10x slower
+
+    slow, fast = cold_first("slow", 45.0), cold_first("fast", 30.0)  # calls long enough for one timed call a slot
+    rounds = measure_rounds([slow, fast], [(slow.name, fast.name)], warmup=0, min_rounds=6, max_seconds=10,
+                            precision=0.5)
+    assert rounds.calls_per_slot == {"slow": 1, "fast": 1}
+    assert set(rounds.calls_ms("slow")) == {45.0} and set(rounds.calls_ms("fast")) == {30.0}
+    assert rounds.ratio("slow", "fast").ratio == pytest.approx(1.5)

@@ -43,6 +43,8 @@ def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str
     lines += [f"| {g.gate} | {'yes' if g.passed else 'no'} | {'; '.join(g.reasons)} |" for g in outcome.gates]
     for section in measured_sections(spec, outcome, metrics):
         lines += ["", *section]
+    if runtime := runtime_section(outcome):
+        lines += ["", *runtime]
     lines += ["", "## Identity", "", "| key | value |", "|---|---|"]
     lines += [f"| {k} | {tags[k]} |" for k in ("model", "precision", "target", "arch", "backend",
                                                "backend_version", "cache_key") if k in tags]
@@ -58,6 +60,20 @@ def measured_sections(spec: PipelineSpec, outcome: CandidateOutcome, metrics: di
     if spec.capacity is not None:
         sections.append(capacity_section(spec, outcome, metrics, source))
     return sections
+
+
+def runtime_section(outcome: CandidateOutcome) -> list[str]:
+    """The settings the engine was measured with, which a deployment must use to see the same figures: the
+    benchmark's threads and the session settings the backend recorded at build (ONNX Runtime's)."""
+    build, benchmark = outcome.stages.get("build"), outcome.stages.get("benchmark")
+    rows = [("threads", benchmark.outputs["threads"])] if benchmark and "threads" in benchmark.outputs else []
+    options = dict(build.outputs.get("session_options", {})) if build else {}
+    rows += [(name, value) for name, value in options.pop("config_entries", {}).items()]
+    rows += [(name, value) for name, value in options.items() if name != "intra_op_num_threads"]
+    if not rows:
+        return []
+    return (["## Runtime settings", "", "Measured with these; a deployment that sets them sees the same figures.", "",
+             "| setting | value |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows])
 
 
 def metrics_section(metrics: dict[str, float], measured: dict[str, str]) -> list[str]:
