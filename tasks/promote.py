@@ -26,6 +26,7 @@ later step fails, so a deploy system never sees a half-made promotion.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -206,15 +207,25 @@ def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _U
     killpoints.reach("version.created")
     same_engine = _same_engine(name, outcome)
     lowest = same_engine[0].version if same_engine else created.version
-    if lowest != created.version:
-        tracking.delete_version(name, created.version)
+    if lowest != created.version:  # the run that made the lowest may have removed this one already
+        tracking.delete_version(name, created.version, missing_ok=True)
         undo.steps.pop()
+        _registered_meanwhile(outcome, lowest, created.version)
         return lowest
     holder = tracking.alias_version(name, spec.promotion.alias)  # never removed from under a deploy that reads it
     for other in same_engine[1:]:
-        if other.version != holder:
-            tracking.delete_version(name, other.version)
+        if other.version != holder:  # its own run removes it too, whichever of the two comes first
+            tracking.delete_version(name, other.version, missing_ok=True)
     return created.version
+
+
+def _registered_meanwhile(outcome: CandidateOutcome, kept: str, removed: str) -> None:
+    """Say that another run (a host outside this lock) registered the same bytes at the same time: its version is kept."""
+    why = (f"another run registered the same engine bytes at the same time as v{kept}; that version is kept "
+           f"and v{removed}, made by this run, removed")
+    decision = outcome.decision
+    outcome.decision = (Decision(why) if decision is None else
+                        dataclasses.replace(decision, reason=f"{decision.reason}; {why}"))
 
 
 def _version_description(outcome: CandidateOutcome) -> str:

@@ -192,8 +192,13 @@ def create_version(name: str, run_id: str, tags: dict[str, str], description: st
     return _version(created)
 
 
-def delete_version(name: str, version: str) -> None:
-    _client().delete_model_version(name, version)
+def delete_version(name: str, version: str, *, missing_ok: bool = False) -> None:
+    """Delete a version; `missing_ok`: one already deleted (by another run that found the same duplicate) is fine."""
+    try:
+        _client().delete_model_version(name, version)
+    except MlflowException as e:
+        if not (missing_ok and e.error_code == "RESOURCE_DOES_NOT_EXIST"):
+            raise
 
 
 def alias_version(name: str, alias: str) -> str | None:
