@@ -425,3 +425,26 @@ def test_two_hosts_registering_the_same_bytes_at_once_keep_one_version_and_the_o
     told = [o for o in runs if "another run registered the same engine bytes" in o.reason]
     assert len(told) == 1 and told[0].status == "passed", [o.reason for o in runs]
     assert f"as v{kept[0]}; that version is kept" in told[0].reason, told[0].reason
+
+
+def test_the_accuracy_baseline_is_the_previous_version_holding_another_engine(tmp_path: Path) -> None:
+    """The regression gate compares today's engine with the newest version of another engine: a rebuild under
+    the same key with other bytes (a --force TensorRT build) is judged against the version registered before it;
+    the same bytes under a new key (a toolchain bump that changed nothing) never against themselves."""
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    first = candidate_outcome(ArtifactStore(tmp_path / "night-1"), spec, "int8", "cpu", throughput=400.0)
+    promote(spec, judged(spec, [first]))
+
+    rebuilt = _rebuilt(candidate_outcome(ArtifactStore(tmp_path / "night-2"), spec, "int8", "cpu", throughput=400.0),
+                       seed=7)
+    assert rebuilt.cache_key == first.cache_key
+    found = tracking.previous_version(spec, "cpu", "int8", rebuilt.stages["build"], eval_text=None)
+    assert found is not None and found["version"] == first.model_version, found
+    assert found["metrics"]["accuracy.cosine_mean"] == 0.9988
+
+    same_bytes = _rebuilt(candidate_outcome(ArtifactStore(tmp_path / "night-3"), spec, "int8", "cpu",
+                                            throughput=400.0, variant="new toolchain"),
+                          seed=int(first.cache_key[:8], 16))  # the seed candidate_outcome gave the first engine
+    assert same_bytes.cache_key != first.cache_key
+    assert tracking.engine_identity(same_bytes.stages["build"]) == tracking.engine_identity(first.stages["build"])
+    assert tracking.previous_version(spec, "cpu", "int8", same_bytes.stages["build"], eval_text=None) is None
