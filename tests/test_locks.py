@@ -3,7 +3,9 @@
 A holder killed on this host: the next taker takes its slot over at once. A slot taken with no record
 on a temporary server's database (a run killed with its server): freed at once. A live holder: the
 waiter waits and says who holds it. A holder on another host: the server's lease service frees the
-slot a lease after the holder stops renewing it.
+slot a lease after the holder stops renewing it. A record that cannot be read frees nothing; a holder cut
+off from the server for longer than a lease writes nothing; promotions of two processes of one host exclude
+each other whatever their $TMPDIR.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -155,6 +158,13 @@ def _promoter(model: str, store: str, tmpdir: Path, api: str | None) -> subproce
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _lines(stream: Any) -> list[str]:
+    """The lines a child writes to `stream`, as they come (read in a thread, so the test never blocks on them)."""
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(line.strip() for line in stream), daemon=True).start()
+    return lines
+
+
 @pytest.mark.parametrize("prefect", ["one Prefect server", "different Prefect servers"])
 def test_promotions_exclude_each_other_whatever_tmpdir_the_processes_have(prefect: str, api: str,
                                                                           tmp_path: Path) -> None:
@@ -169,13 +179,20 @@ def test_promotions_exclude_each_other_whatever_tmpdir_the_processes_have(prefec
     try:
         assert served.stdout.readline().strip() == "held", served.stderr.read()
         terminal = _promoter(model, store, tmp_path / "terminal-tmp", api if prefect == "one Prefect server" else None)
-        said = terminal.stderr.readline()  # blocks until the waiter speaks (after SAY_AFTER_S) or exits
-        assert f"waiting, held by pid {served.pid}" in said, said + terminal.stderr.read()
-        assert terminal.poll() is None
+        said, got = _lines(terminal.stderr), _lines(terminal.stdout)
+        deadline = time.monotonic() + 60
+        while not any("waiting" in line for line in said) and not got and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not got, f"both held the promotion lock at once: {said}"
+        assert any(f"waiting, held by pid {served.pid}" in line for line in said), said
         served.communicate("\n", timeout=60)
-        assert terminal.stdout.readline().strip() == "held"
-        terminal.communicate("\n", timeout=60)
-        assert terminal.returncode == 0
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert got == ["held"], said
+        terminal.stdin.write("\n")
+        terminal.stdin.flush()
+        assert terminal.wait(timeout=60) == 0
     finally:
         for process in (served, terminal):
             if process is not None and process.poll() is None:
