@@ -446,8 +446,8 @@ def _blocked_here() -> str:
 
 
 class LeaseLost(RuntimeError):
-    """A slot this process held may now be another's: its lease was not renewed for a whole lease period
-    (the server unreachable, or it said the lease is gone). What the holder was doing stops before it writes."""
+    """A slot this process held may now be another's: its renewals went unconfirmed and one more failed (the
+    server unreachable), or the server said the lease is gone. What the holder was doing stops before it writes."""
 
 
 @dataclass
@@ -559,7 +559,8 @@ def held_slot(name: str, what: str, *, wait: bool = True) -> Iterator[None]:
             _leases.reset(token)
             stop.set()
             renewer.join()
-            _release(client, lease.lease_id, record_path)
+            if not lease.gone:  # a lease the server no longer has holds no slot; its record may be the next holder's
+                _release(client, lease.lease_id, record_path)
 
 
 @contextlib.contextmanager

@@ -32,18 +32,26 @@ from tasks.registry.versions import (ENGINE_IDENTITY_TAG, MEASURED_AT, MEASURED_
 from tasks.registry.webhooks import create_webhook, delete_webhook, list_webhooks, update_webhook
 
 
-def _unless_stopped(write: Callable[..., Any]) -> Callable[..., Any]:
+def _while_held(write: Callable[..., Any]) -> Callable[..., Any]:
     """Checked before a registry version is made, a registered model created or an alias moved: a run whose
-    interrupt was swallowed on the way (raised inside a finalizer) must not promote, nor one whose promotion
-    slot may have passed to another run meanwhile (its lease unconfirmed for a whole lease: tasks/locks.py)."""
+    promotion slot may have passed to another run meanwhile (its lease unconfirmed: tasks/locks.py) stops."""
     @functools.wraps(write)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        stop_signals.raise_if_stopped()
         locks.raise_if_lease_lost()
         return write(*args, **kwargs)
     return guarded
 
 
-ensure_registered_model = _unless_stopped(_versions.ensure_registered_model)
-create_version = _unless_stopped(_versions.create_version)
-set_alias = _unless_stopped(_versions.set_alias)
+def _unless_stopped(write: Callable[..., Any]) -> Callable[..., Any]:
+    """Checked before a registry version is made or a registered model created: a run whose interrupt was
+    swallowed on the way (raised inside a finalizer) must not promote."""
+    @functools.wraps(write)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        stop_signals.raise_if_stopped()
+        return write(*args, **kwargs)
+    return guarded
+
+
+ensure_registered_model = _while_held(_unless_stopped(_versions.ensure_registered_model))
+create_version = _while_held(_unless_stopped(_versions.create_version))
+set_alias = _while_held(_versions.set_alias)
