@@ -11,7 +11,8 @@ through Prefect), in this order:
    one that fails is `failed` with the reason, and the alias does not move for it;
 2. a version is created (or the one with the same bytes reused, its metric tags, description and
    engine card brought to today's measurement when that one is newer); if another version with
-   the same bytes appeared meanwhile, the lowest wins and the other is removed;
+   the same bytes appeared meanwhile, the lowest wins, the other is removed, and the run whose version
+   went says which one was kept;
 3. compare-and-set: the alias is read again; if it no longer points where it pointed when the
    decision was taken (another run or a person moved it), nothing moves and the candidate says why;
 4. the promoted version's tags are refreshed (status, reason, metrics at promotion time);
@@ -220,7 +221,7 @@ def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _U
 
 
 def _registered_meanwhile(outcome: CandidateOutcome, kept: str, removed: str) -> None:
-    """Say that another run (a host outside this lock) registered the same bytes at the same time: its version is kept."""
+    """Say that another run (a host outside this lock) registered the same bytes at once, and its version stays."""
     why = (f"another run registered the same engine bytes at the same time as v{kept}; that version is kept "
            f"and v{removed}, made by this run, removed")
     decision = outcome.decision
