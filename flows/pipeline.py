@@ -139,7 +139,7 @@ def _gate(judged: _Judging, step: graph.Step) -> None:
         return
     if outcome.status != "failed":
         previous = tracking.previous_version(judged.spec, outcome.candidate.target, outcome.candidate.precision,
-                                             outcome.cache_key, measured_on(outcome.stages.get("accuracy")))
+                                             outcome.stages.get("build"), measured_on(outcome.stages.get("accuracy")))
         outcome = gate_task.with_options(task_run_name=f"{step.node}/gate")(judged.spec, outcome, previous)
     try:
         tracking.record_gates(outcome.run_id, outcome)

@@ -14,6 +14,13 @@ database it describes, and a waiter acts on that record:
 - holder on another host (a lasting server): the waiter waits for the holder's Prefect lease,
   which a live holder renews and the server's lease service expires `LEASE_S` after a death.
 
+A record that exists but cannot be read is a fault, reported with its path: it never frees a slot (only a
+holder proven gone does). A holder whose renewals go unconfirmed (a server it cannot reach) may lose its
+slot to a waiter elsewhere once its lease ends: `raise_if_lease_lost`, called before every store
+publication and registry write, renews once more and raises LeaseLost when the server does not confirm it.
+
+Every smelter process of a host finds the same lock dir (`lock_dir`), whatever its $TMPDIR or user.
+
 A waiter says what it waits for after `SAY_AFTER_S`, and again, naming the blocked stage and
 run, after `BLOCKED_AFTER_S`.
 """
@@ -28,6 +35,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,11 +46,20 @@ from typing import Any
 from uuid import UUID
 
 from tasks.holder import Holder
-from tasks.scratch import system_temp_dir
 from tasks.whole_file import write_whole
 
 LOCK_DIR_ENV = "SMELTER_LOCK_DIR"
+# The host's lock dir when LOCK_DIR_ENV is unset: the first whose parent is shared by every user of the host
+# (world-writable and sticky, as /run/lock and /tmp are). Never $TMPDIR, which differs between users, units
+# and the processes smelter starts (tasks/scratch.py points theirs at a dir removed when its owner exits).
+HOST_LOCK_DIRS = (Path("/run/lock/smelter"), Path("/tmp/smelter-locks"))
 LEASE_S = 60  # the least Prefect accepts: a holder killed on another host blocks others this long
+RENEW_EVERY_S = LEASE_S / 3
+RETRY_RENEWAL_S = 2.0  # after a renewal that failed
+# A holder unconfirmed this long (two renewals missed) proves it still holds its slot before it writes: what is
+# left of the lease then (20 s at least) covers the write, and the proof renews it for a whole lease.
+REPROVE_AFTER_S = LEASE_S - RENEW_EVERY_S
+REPROVE_TIMEOUT_S = 10.0  # a renewal asked for at a safe point: a server that does not answer by then is lost
 SAY_AFTER_S = 10
 BLOCKED_AFTER_S = 60
 POLL_S = 1.0
@@ -72,8 +89,47 @@ def temporary_server(prefect_home: Path) -> Iterator[None]:
         _temporary_home = previous
 
 
-def _lock_dir() -> Path:
-    return Path(os.environ.get(LOCK_DIR_ENV) or system_temp_dir() / "smelter-locks")
+def lock_dir() -> Path:
+    """This host's lock dir: $SMELTER_LOCK_DIR, else the first of HOST_LOCK_DIRS whose parent every user shares."""
+    configured = os.environ.get(LOCK_DIR_ENV)
+    if configured:
+        return Path(configured)
+    return next((d for d in HOST_LOCK_DIRS if _shared_by_all(d.parent)), HOST_LOCK_DIRS[-1])
+
+
+def _shared_by_all(directory: Path) -> bool:
+    try:
+        mode = directory.stat().st_mode
+    except OSError:
+        return False
+    return stat.S_ISDIR(mode) and mode & 0o1777 == 0o1777
+
+
+def _shared_dir(path: Path, mode: int) -> None:
+    """Create `path` (and what is missing above it) so that every user of the host may use it: `mode`
+    whatever the creator's umask. One made by another user is left as it is."""
+    if path.is_dir():
+        return
+    _shared_dir(path.parent, mode)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return
+    with contextlib.suppress(OSError):
+        os.chmod(path, mode)
+
+
+def _open_lock_file(name: str) -> int:
+    """An fd of the lock file, created readable and writable by every user of the host when missing. An
+    existing one is opened without O_CREAT: in a sticky dir, fs.protected_regular refuses O_CREAT on another
+    user's file."""
+    try:
+        return os.open(name, os.O_RDWR)
+    except FileNotFoundError:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o666)
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o666)
+        return fd
 
 
 _held: dict[str, tuple[int, int]] = {}
@@ -102,7 +158,7 @@ def file_lock(path: Path, *, reentrant: bool = False, what: str | None = None) -
                 _leave(name)
             return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(name)
     try:
         _flock(fd, what)
         os.ftruncate(fd, 0)
@@ -174,6 +230,15 @@ def _prefect_reachable() -> bool:
     return FlowRunContext.get() is not None or bool(PREFECT_API_URL.value())
 
 
+class UnreadableRecord(Exception):
+    """A slot record that exists but cannot be read: its holder cannot be checked, so its slot stays taken."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(f"slot record {path} cannot be read ({why}); its holder cannot be checked, so the "
+                         f"slot stays taken: remove the file once no smelter process holds that slot")
+        self.path = path
+
+
 @dataclass(frozen=True)
 class SlotRecord:
     """Who holds a slot: written by the holder under the record's lock, in the same step as the take."""
@@ -189,12 +254,16 @@ class SlotRecord:
 
     @classmethod
     def read(cls, path: Path) -> SlotRecord | None:
+        """The record, or None when there is none. Records are written whole (tmp + rename), so one that
+        exists but cannot be read is a fault: UnreadableRecord, never "no holder"."""
         try:
             data = json.loads(path.read_text())
             return cls(UUID(data["lease_id"]), Holder.from_dict(data["holder"]), float(data["since"]),
                        str(data.get("doing", "")))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # none, or torn by a crash mid-write: as good as none
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UnreadableRecord(path, f"{type(e).__name__}: {e}") from e
 
     def describe(self) -> str:
         since = datetime.fromtimestamp(self.since, timezone.utc).strftime("%H:%M:%S UTC")
@@ -208,7 +277,15 @@ def _records_dir() -> tuple[Path, bool]:
     from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value() or ""
-    return _lock_dir() / RECORDS_DIR / hashlib.sha256(url.encode()).hexdigest()[:12], False
+    return _host_lock_dir() / RECORDS_DIR / hashlib.sha256(url.encode()).hexdigest()[:12], False
+
+
+def _host_lock_dir() -> Path:
+    """`lock_dir()`, created sticky and writable by all (as /tmp): any user's process may add a lock, none
+    may remove another's."""
+    directory = lock_dir()
+    _shared_dir(directory, 0o1777)
+    return directory
 
 
 def _doing() -> str:
@@ -295,7 +372,10 @@ def _take_or_free(client: Any, name: str, record_path: Path, temporary: bool) ->
     with file_lock(record_path.with_suffix(".lock")):
         lease_id = _try_take(client, name)
         if lease_id is None:
-            record = SlotRecord.read(record_path)
+            try:
+                record = SlotRecord.read(record_path)
+            except UnreadableRecord as e:
+                return _Try(holder=f"a holder this process cannot check: {e}")
             if record is not None and record.holder.gone():
                 freed_from = f"{record.describe()}, which is gone"
                 client.release_concurrency_slots_with_lease(record.lease_id)
@@ -322,7 +402,9 @@ def _take_or_free(client: Any, name: str, record_path: Path, temporary: bool) ->
 
 
 def _write(path: Path, record: SlotRecord) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Whole, in a dir every user of the host may replace records in (not sticky: the next taker of a slot
+    replaces its last holder's record)."""
+    _shared_dir(path.parent, 0o777)
     write_whole(path, record.to_json())
 
 
@@ -330,19 +412,20 @@ class SlotBusy(Exception):
     """A slot asked for without waiting is held by a live holder."""
 
 
-def _acquire(client: Any, name: str, what: str, record_path: Path, temporary: bool, wait: bool) -> UUID:
+def _acquire(client: Any, name: str, what: str, record_path: Path, temporary: bool, wait: bool) -> _Lease:
     """Wait for the slot (unless not `wait`: then SlotBusy), freeing it from a dead holder at once; say who
     holds it while waiting."""
     started = time.monotonic()
     said = 0
     while True:
+        asked_at = time.monotonic()
         attempt = _take_or_free(client, name, record_path, temporary)
         if attempt.freed:
             _report(f"warning: {what}: was held by {attempt.holder}; taken over")
         if attempt.lease_id is not None:
             if said:
                 _report(f"warning: {what}: got it after {time.monotonic() - started:.0f} s")
-            return attempt.lease_id
+            return _Lease(name, what, attempt.lease_id, asked_at)
         if attempt.freed:
             continue
         if not wait:
@@ -362,13 +445,75 @@ def _blocked_here() -> str:
     return f" ({doing})" if doing else ""
 
 
-def _renew(lease_id: UUID, stop: threading.Event) -> None:
+class LeaseLost(RuntimeError):
+    """A slot this process held may now be another's: its renewals went unconfirmed and one more failed (the
+    server unreachable), or the server said the lease is gone. What the holder was doing stops before it writes."""
+
+
+@dataclass
+class _Lease:
+    """A slot this process holds, and since when the server has surely kept it: the time a renewal (or the
+    take) was *asked* for that the server confirmed; its lease runs LEASE_S from that request at the latest."""
+
+    name: str
+    what: str
+    lease_id: UUID
+    confirmed_at: float
+    gone: str = ""  # why the server says the lease no longer exists
+
+    def renew(self, client: Any, timeout: float) -> bool:
+        """Renew once, in one request (not Prefect's retry loop, which waits minutes for a server that does not
+        answer); whether the server confirmed it. A lease it no longer has: `gone` says so."""
+        import httpx
+
+        asked_at = time.monotonic()
+        http = client._client
+        try:
+            request = http.build_request("POST", f"/v2/concurrency_limits/leases/{self.lease_id}/renew",
+                                         json={"lease_duration": LEASE_S}, timeout=timeout)
+            httpx.Client.send(http, request).raise_for_status()
+        except httpx.HTTPStatusError as e:
+            if e.response.status_code in (404, 410):
+                self.gone = f"the Prefect server answered {e.response.status_code}: the lease expired or was revoked"
+            return False
+        except Exception:  # noqa: BLE001 - unreachable: retried, and judged by how long it lasts
+            return False
+        self.confirmed_at = max(self.confirmed_at, asked_at)
+        return True
+
+    def unconfirmed_s(self) -> float:
+        return time.monotonic() - self.confirmed_at
+
+
+_leases: contextvars.ContextVar[tuple[_Lease, ...]] = contextvars.ContextVar("smelter_leases", default=())
+
+
+def raise_if_lease_lost() -> None:
+    """A safe point before a write only a slot's holder may make (a store publication, a registry write): every
+    slot this context holds must be proven still held. One whose renewals have not been confirmed for
+    REPROVE_AFTER_S is renewed once more, at once; LeaseLost when the server does not confirm it, so the holder
+    stops instead of writing beside whoever took the slot after the lease expired."""
+    for lease in _leases.get():
+        if not lease.gone and lease.unconfirmed_s() < REPROVE_AFTER_S:
+            continue
+        if not lease.gone:
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                if lease.renew(client, timeout=REPROVE_TIMEOUT_S):
+                    continue
+        why = lease.gone or f"no renewal confirmed for {lease.unconfirmed_s():.0f} s (the lease is {LEASE_S} s)"
+        raise LeaseLost(f"{lease.what}: lost slot {lease.name}: {why}; another holder may have it now, so this "
+                        f"process stops before writing")
+
+
+def _renew(lease: _Lease, stop: threading.Event) -> None:
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        while not stop.wait(LEASE_S / 3):
-            with contextlib.suppress(Exception):  # a missed renewal is retried; the lease outlives two misses
-                client.renew_concurrency_lease(lease_id, LEASE_S)
+        wait = RENEW_EVERY_S
+        while not lease.gone and not stop.wait(wait):
+            wait = RENEW_EVERY_S if lease.renew(client, timeout=RENEW_EVERY_S) else RETRY_RENEWAL_S
 
 
 def _release(client: Any, lease_id: UUID, record_path: Path) -> None:
@@ -381,7 +526,11 @@ def _release(client: Any, lease_id: UUID, record_path: Path) -> None:
             log.warning("could not give back a Prefect slot (%s: %s); the next waiter takes it over",
                         type(e).__name__, e)
             return
-        record = SlotRecord.read(record_path)
+        try:
+            record = SlotRecord.read(record_path)
+        except UnreadableRecord as e:
+            log.warning("%s", e)
+            return
         if record is not None and record.lease_id == lease_id:
             record_path.unlink(missing_ok=True)
 
@@ -399,16 +548,19 @@ def held_slot(name: str, what: str, *, wait: bool = True) -> Iterator[None]:
     record_path = directory / f"{name}.json"
     with get_client(sync_client=True) as client:
         _ensure_limit(client, name)
-        lease_id = _acquire(client, name, what, record_path, temporary, wait)
+        lease = _acquire(client, name, what, record_path, temporary, wait)
         stop = threading.Event()
-        renewer = threading.Thread(target=contextvars.copy_context().run, args=(_renew, lease_id, stop), daemon=True)
+        renewer = threading.Thread(target=contextvars.copy_context().run, args=(_renew, lease, stop), daemon=True)
         renewer.start()
+        token = _leases.set((*_leases.get(), lease))
         try:
             yield
         finally:
+            _leases.reset(token)
             stop.set()
             renewer.join()
-            _release(client, lease_id, record_path)
+            if not lease.gone:  # a lease the server no longer has holds no slot; its record may be the next holder's
+                _release(client, lease.lease_id, record_path)
 
 
 @contextlib.contextmanager
@@ -416,7 +568,7 @@ def exclusive(what: str, scope: str) -> Iterator[None]:
     """Run the body alone among every process that asks for (`what`, `scope`): this host's, and other
     hosts' sharing the Prefect server. `scope` (e.g. the MLflow tracking URI) keeps unrelated stores apart."""
     slug = _slug(scope, what)
-    with file_lock(_lock_dir() / f"{slug}.lock", what=what):
+    with file_lock(_host_lock_dir() / f"{slug}.lock", what=what):
         if _prefect_reachable():
             with held_slot(f"smelter-{slug}", what):
                 yield

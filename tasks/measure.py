@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tasks.config.bounds import MAX_ROUNDS
 from tasks.stats import MIN_ROUNDS, Ratio, paired_ratio, recent_widest, serial_inflation
 
 SLOT_MS = 25.0
@@ -36,7 +37,6 @@ MAX_CALLS_PER_SLOT = 64
 # quiet machine and up to 4x on a busy one (benchmarks/engine_alone.py); with it, fp32 vs int8 at batch 8 agreed
 # with a timer that warms each block in 11 of 12 repeats, 7 of 12 without (benchmarks/interval_vs_timer.py).
 SLOT_WARM_CALLS = 2
-MAX_ROUNDS = 2000
 ORDER_SEED = 20261204  # the slot order of every round: drawn, but the same each run
 # A pause before every slot: the OpenMP pool of the PyTorch reference spins for a moment after its last call,
 # taking cores from the next engine's threads, which a timer of one engine alone never sees. ONNX Runtime's pool

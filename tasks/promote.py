@@ -11,7 +11,8 @@ through Prefect), in this order:
    one that fails is `failed` with the reason, and the alias does not move for it;
 2. a version is created (or the one with the same bytes reused, its metric tags, description and
    engine card brought to today's measurement when that one is newer); if another version with
-   the same bytes appeared meanwhile, the lowest wins and the other is removed;
+   the same bytes appeared meanwhile, the lowest wins, the other is removed, and the run whose version
+   went says which one was kept;
 3. compare-and-set: the alias is read again; if it no longer points where it pointed when the
    decision was taken (another run or a person moved it), nothing moves and the candidate says why;
 4. the promoted version's tags are refreshed (status, reason, metrics at promotion time);
@@ -26,6 +27,7 @@ later step fails, so a deploy system never sees a half-made promotion.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -206,15 +208,25 @@ def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _U
     killpoints.reach("version.created")
     same_engine = _same_engine(name, outcome)
     lowest = same_engine[0].version if same_engine else created.version
-    if lowest != created.version:
-        tracking.delete_version(name, created.version)
+    if lowest != created.version:  # the run that made the lowest may have removed this one already
+        tracking.delete_version(name, created.version, missing_ok=True)
         undo.steps.pop()
+        _registered_meanwhile(outcome, lowest, created.version)
         return lowest
     holder = tracking.alias_version(name, spec.promotion.alias)  # never removed from under a deploy that reads it
     for other in same_engine[1:]:
-        if other.version != holder:
-            tracking.delete_version(name, other.version)
+        if other.version != holder:  # its own run removes it too, whichever of the two comes first
+            tracking.delete_version(name, other.version, missing_ok=True)
     return created.version
+
+
+def _registered_meanwhile(outcome: CandidateOutcome, kept: str, removed: str) -> None:
+    """Say that another run (a host outside this lock) registered the same bytes at once, and its version stays."""
+    why = (f"another run registered the same engine bytes at the same time as v{kept}; that version is kept "
+           f"and v{removed}, made by this run, removed")
+    decision = outcome.decision
+    outcome.decision = (Decision(why) if decision is None else
+                        dataclasses.replace(decision, reason=f"{decision.reason}; {why}"))
 
 
 def _version_description(outcome: CandidateOutcome) -> str:

@@ -5,6 +5,8 @@ tempfile's directory, and a killed run cannot clean them up. So a smelter proces
 `tempfile.tempdir` and $TMPDIR at `<temp>/smelter-tmp.<machine>-<pid>-<start>.<random>` for its whole
 life (not per stage: a process's stages may overlap in threads), removes it at exit, and, when it
 starts, removes the ones whose process is gone (this host only; another host's are not ours to judge).
+Its subprocesses inherit that $TMPDIR for their own temp files only: locks live in the host's lock dir
+(tasks/locks.py `lock_dir`), never under a temp dir, so no process's locks go when another one exits.
 """
 
 from __future__ import annotations
@@ -20,13 +22,7 @@ from tasks.holder import Holder, machine_id
 
 PREFIX = "smelter-tmp."
 _lock = threading.Lock()
-_system: Path | None = None  # the temp dir before this process moved into its own
 _own: Path | None = None
-
-
-def system_temp_dir() -> Path:
-    """The machine's temp dir (what tempfile used before `activate`): where locks and scratch dirs live."""
-    return _system if _system is not None else Path(tempfile.gettempdir())
 
 
 def _owner(path: Path) -> Holder | None:
@@ -50,7 +46,7 @@ def sweep(root: Path) -> list[Path]:
 
 def activate() -> Path:
     """Move this process's temp files into a dir of its own (once; later calls return it)."""
-    global _system, _own
+    global _own
     with _lock:
         if _own is not None:
             return _own
@@ -58,7 +54,7 @@ def activate() -> Path:
         sweep(system)
         me = Holder.current()
         own = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{machine_id()}-{me.pid}-{me.start}.", dir=system))
-        _system, _own = system, own
+        _own = own
         tempfile.tempdir = str(own)
         os.environ["TMPDIR"] = str(own)  # for the subprocesses it starts
         atexit.register(_remove, own)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.holder import Holder, machine_id
-from tasks.locks import file_lock
+from tasks.locks import file_lock, raise_if_lease_lost
 from tasks.whole_file import write_whole
 
 MANIFEST = "manifest.json"
@@ -250,6 +250,7 @@ class ArtifactStore:
             yield writer
             writer.finish()
             _fsync_tree(tmp)
+            raise_if_lease_lost()  # a key's slot that may be another's now: its holder publishes nothing
             _publish(tmp, final, key)
         finally:
             if tmp.exists():

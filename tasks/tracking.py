@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from tasks import stop_signals
+from tasks import locks, stop_signals
 from tasks.registry import versions as _versions
 from tasks.registry.candidates import candidate_outcomes, log_candidate, record_gates
 from tasks.registry.card import engine_card, finish_candidate, measured_sections, replace_card_sections, restore_card
@@ -26,10 +26,20 @@ from tasks.registry.versions import (ENGINE_IDENTITY_TAG, MEASURED_AT, MEASURED_
                                      champion, delete_alias, delete_registered_model, delete_version,
                                      delete_version_tag, download_version, engine_identity,
                                      find_version, find_versions, get_version, measured_sentence, measurement,
-                                     previous_version, registered_model_exists, restore_registered_model, set_alias,
+                                     previous_version, registered_model_exists, restore_registered_model,
                                      set_version_description, set_version_tags, show_outbox, version_description,
                                      versions_of_engine)
 from tasks.registry.webhooks import create_webhook, delete_webhook, list_webhooks, update_webhook
+
+
+def _while_held(write: Callable[..., Any]) -> Callable[..., Any]:
+    """Checked before a registry version is made, a registered model created or an alias moved: a run whose
+    promotion slot may have passed to another run meanwhile (its lease unconfirmed: tasks/locks.py) stops."""
+    @functools.wraps(write)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        locks.raise_if_lease_lost()
+        return write(*args, **kwargs)
+    return guarded
 
 
 def _unless_stopped(write: Callable[..., Any]) -> Callable[..., Any]:
@@ -42,5 +52,6 @@ def _unless_stopped(write: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-ensure_registered_model = _unless_stopped(_versions.ensure_registered_model)
-create_version = _unless_stopped(_versions.create_version)
+ensure_registered_model = _while_held(_unless_stopped(_versions.ensure_registered_model))
+create_version = _while_held(_unless_stopped(_versions.create_version))
+set_alias = _while_held(_versions.set_alias)

@@ -3,11 +3,14 @@
 A holder killed on this host: the next taker takes its slot over at once. A slot taken with no record
 on a temporary server's database (a run killed with its server): freed at once. A live holder: the
 waiter waits and says who holds it. A holder on another host: the server's lease service frees the
-slot a lease after the holder stops renewing it.
+slot a lease after the holder stops renewing it. A record that cannot be read frees nothing; a holder cut
+off from the server for longer than a lease writes nothing; promotions of two processes of one host exclude
+each other whatever their $TMPDIR.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import os
@@ -19,6 +22,8 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -27,11 +32,13 @@ from tasks import locks
 from tests.fixtures.fleet import REPO, project_env
 
 HOLD = """
-import sys, time
+import contextlib, sys, time
+from pathlib import Path
 from tasks import locks
-with locks.held_slot(sys.argv[1], "test slot"):
-    print("held", flush=True)
-    time.sleep(600)
+with locks.temporary_server(Path(sys.argv[2])) if len(sys.argv) > 2 else contextlib.nullcontext():
+    with locks.held_slot(sys.argv[1], "test slot"):
+        print("held", flush=True)
+        time.sleep(600)
 """
 
 
@@ -51,8 +58,10 @@ def notices(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return said
 
 
-def _holder(api: str, name: str, tmp_path: Path) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-c", HOLD, name], cwd=REPO, stdout=subprocess.PIPE, text=True,
+def _holder(api: str, name: str, tmp_path: Path, temporary_home: Path | None = None) -> subprocess.Popen:
+    """A process holding slot `name` until killed (recorded as a temporary server's client under `temporary_home`)."""
+    process = subprocess.Popen([sys.executable, "-c", HOLD, name, *([str(temporary_home)] if temporary_home else [])],
+                               cwd=REPO, stdout=subprocess.PIPE, text=True,
                                env=project_env(PREFECT_API_URL=api, **{locks.LOCK_DIR_ENV: str(tmp_path / "locks")}))
     assert process.stdout.readline().strip() == "held"
     return process
@@ -104,6 +113,199 @@ def test_a_slot_with_no_holder_recorded_on_a_temporary_servers_database_is_freed
             assert _active(api, name) == 1
     assert _active(api, name) == 0
     assert any("killed with its temporary server" in n for n in notices), notices
+
+
+def test_an_unreadable_record_is_reported_with_its_path_and_frees_no_slot(api: str, tmp_path: Path) -> None:
+    """On a temporary server a slot with no record is an orphan, freed at once; one whose record exists but
+    cannot be read belongs to a holder nobody can check, here a live one: it keeps its slot, and the waiter
+    is told which file to look at."""
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    home = tmp_path / "home"
+    holder = _holder(api, name, tmp_path, temporary_home=home)
+    try:
+        record = home / locks.RECORDS_DIR / f"{name}.json"
+        record.write_text('{"lease_id": "not a lease"')
+        with locks.temporary_server(home), pytest.raises(locks.SlotBusy) as busy:
+            with locks.held_slot(name, "test slot", wait=False):
+                pytest.fail("the slot of a live holder was taken")
+        assert str(record) in str(busy.value) and "cannot be read" in str(busy.value), busy.value
+        assert _active(api, name) == 1 and holder.poll() is None
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+PROMOTE = """
+import sys
+from tasks import locks, notify, scratch
+scratch.activate()  # as every smelter command does: $TMPDIR becomes this process's own scratch dir
+locks.SAY_AFTER_S = 0.5
+with notify.promotion_lock(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _promoter(model: str, store: str, tmpdir: Path, api: str | None) -> subprocess.Popen:
+    """A smelter process holding `model`'s promotion lock until told, with the host's default lock dir."""
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    env = project_env(MLFLOW_TRACKING_URI=store, TMPDIR=str(tmpdir))
+    for unset in (locks.LOCK_DIR_ENV, "PREFECT_API_URL"):
+        env.pop(unset, None)
+    if api:
+        env["PREFECT_API_URL"] = api
+    return subprocess.Popen([sys.executable, "-c", PROMOTE, model], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _lines(stream: Any) -> list[str]:
+    """The lines a child writes to `stream`, as they come (read in a thread, so the test never blocks on them)."""
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(line.strip() for line in stream), daemon=True).start()
+    return lines
+
+
+@pytest.mark.parametrize("prefect", ["one Prefect server", "different Prefect servers"])
+def test_promotions_exclude_each_other_whatever_tmpdir_the_processes_have(prefect: str, api: str,
+                                                                          tmp_path: Path) -> None:
+    """A flow run that `smelter deploy` serves inherits the serving process's scratch dir as $TMPDIR; a run from a
+    terminal has the system's. Against the same MLflow store, one waits for the other's promotion and names it,
+    also when only the first reaches a Prefect server (so no Prefect slot stands between them); and no lock
+    lands in a temp dir, which goes when its owner exits."""
+    model, store = f"enc-{uuid.uuid4().hex[:8]}", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    served_dir = tmp_path / "smelter-tmp.served"  # a `smelter deploy` process's scratch dir, inherited
+    served = _promoter(model, store, served_dir, api)
+    terminal = None
+    try:
+        assert served.stdout.readline().strip() == "held", served.stderr.read()
+        terminal = _promoter(model, store, tmp_path / "terminal-tmp", api if prefect == "one Prefect server" else None)
+        said, got = _lines(terminal.stderr), _lines(terminal.stdout)
+        deadline = time.monotonic() + 60
+        while not any("waiting" in line for line in said) and not got and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not got, f"both held the promotion lock at once: {said}"
+        assert any(f"waiting, held by pid {served.pid}" in line for line in said), said
+        served.communicate("\n", timeout=60)
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert got == ["held"], said
+        terminal.stdin.write("\n")
+        terminal.stdin.flush()
+        assert terminal.wait(timeout=60) == 0
+    finally:
+        for process in (served, terminal):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+        (locks.lock_dir() / f"{locks._slug(store, f'promote {model}')}.lock").unlink(missing_ok=True)
+    assert not [p for p in served_dir.rglob("*") if p.suffix in (".lock", ".json")], "a lock or record in a temp dir"
+
+
+class Link:
+    """A TCP path to a server that can be cut and mended: a network partition between one client and a server
+    that keeps running (and expiring that client's leases)."""
+
+    def __init__(self, target_port: int):
+        import socket
+
+        self.target_port = target_port
+        self.up = threading.Event()
+        self.up.set()
+        self._connections: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            client, _ = self._listener.accept()
+            if not self.up.is_set():
+                client.close()
+                continue
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            self._connections += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: object, sink: object) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.close()
+
+    def cut(self) -> None:
+        self.up.clear()
+        for connection in self._connections:
+            with contextlib.suppress(OSError):
+                connection.close()
+        self._connections.clear()
+
+    def mend(self) -> None:
+        self.up.set()
+
+
+BUILD = """
+import sys
+from pathlib import Path
+from tasks import locks, tracking
+from tasks.store import ArtifactStore
+with locks.held_slot(sys.argv[1], "build of key k"):
+    print("held", flush=True)
+    sys.stdin.readline()
+    try:
+        with ArtifactStore(Path(sys.argv[2])).writing("p", "build", "k") as w:
+            (w.dir / "engine.bin").write_text("first holder")
+        print("wrote", flush=True)
+    except locks.LeaseLost as e:
+        print(f"stopped: {e}", flush=True)
+    try:
+        tracking.create_version("m", "run", {})
+    except locks.LeaseLost as e:
+        print(f"no registry write: {e}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_holder_cut_off_from_a_lasting_server_for_a_lease_stops_before_writing(api: str, tmp_path: Path) -> None:
+    """A build holds a key's slot; the network between it and the lasting Prefect server goes for longer than a
+    lease. The server expires the lease and gives the slot to a waiter, which builds the key. The first holder,
+    back on the network, must not publish the key nor write to the registry: it finds its lease gone and stops.
+    Afterwards the store holds the second holder's build alone."""
+    from tasks.store import ArtifactStore
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    port = urlsplit(api).port
+    link = Link(port)
+    first = subprocess.Popen([sys.executable, "-c", BUILD, name, str(tmp_path / "store")], cwd=REPO, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env=project_env(PREFECT_API_URL=api.replace(f":{port}/", f":{link.port}/"),
+                                             MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                             **{locks.LOCK_DIR_ENV: str(tmp_path / "locks")}))
+    try:
+        assert first.stdout.readline().strip() == "held"
+        link.cut()
+        started = time.monotonic()
+        with locks.held_slot(name, "build of key k"):  # the first holder lives: only its lease's expiry frees it
+            waited = time.monotonic() - started
+            with ArtifactStore(tmp_path / "store").writing("p", "build", "k") as w:
+                (w.dir / "engine.bin").write_text("second holder")
+            link.mend()
+            out, _ = first.communicate("\n", timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert waited >= locks.LEASE_S - 5, f"the slot of a live holder was taken after {waited:.0f} s"
+    assert "wrote" not in out.splitlines() and "stopped: build of key k: lost slot" in out, out
+    assert "no registry write: build of key k: lost slot" in out, out
+    found = ArtifactStore(tmp_path / "store").lookup("p", "build", "k")
+    assert (found.path / "engine.bin").read_text() == "second holder"
 
 
 def test_a_waiter_says_who_holds_the_slot_and_gets_it_when_the_holder_ends(

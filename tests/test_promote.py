@@ -5,10 +5,12 @@ registry holds, measured side by side (tests/fixtures/judged.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import socket
 import subprocess
+import threading
 import uuid
 from pathlib import Path
 
@@ -371,3 +373,78 @@ def test_two_runs_deciding_for_the_same_engine_at_once_register_and_announce_it_
     assert runs[0].model_version == runs[1].model_version == _alias(name) and _versions(name) == [_alias(name)]
     assert "not applied" not in runs[1].reason
     assert len(notify.read_events(MlflowClient().get_model_version(name, _alias(name)).tags)) == 1
+
+
+def test_two_hosts_registering_the_same_bytes_at_once_keep_one_version_and_the_other_run_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two hosts whose promotion locks never meet (each on its own Prefect server and lock dir) register the same
+    engine bytes at the same instant: each creates a version before either looks for duplicates. The run that made
+    the lowest goes on first and removes the other's; then the other finds its own version gone. One version is
+    left, nothing raises, and the run whose version went says which one was kept."""
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    name = f"{spec.name}-cpu"
+    runs = [candidate_outcome(ArtifactStore(tmp_path / f"host-{i}"), spec, "int8", "cpu", throughput=400.0)
+            for i in range(2)]
+    decided = [judged(spec, [outcome]) for outcome in runs]
+    in_step, lowest_done = threading.Barrier(2), threading.Event()
+    made: dict[int, str] = {}
+    create_version = tracking.create_version
+
+    def create_in_step_with_the_other_host(*args: object, **kwargs: object) -> tracking.RegisteredVersion:
+        in_step.wait(timeout=120)  # both found no version of these bytes
+        created = create_version(*args, **kwargs)
+        made[threading.get_ident()] = created.version
+        in_step.wait(timeout=120)  # both made one
+        if created.version != min(made.values(), key=int):
+            assert lowest_done.wait(timeout=120)
+        return created
+
+    monkeypatch.setattr(tracking, "create_version", create_in_step_with_the_other_host)
+    monkeypatch.setattr(notify, "promotion_lock", lambda registered_model: contextlib.nullcontext())
+    raised: list[BaseException] = []
+
+    def promote_on_a_host(outcomes: list[CandidateOutcome]) -> None:
+        try:
+            promote(spec, outcomes)
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            raised.append(e)
+        finally:
+            if made.get(threading.get_ident()) == min(made.values(), key=int, default=None):
+                lowest_done.set()
+
+    hosts = [threading.Thread(target=promote_on_a_host, args=(outcomes,)) for outcomes in decided]
+    for host in hosts:
+        host.start()
+    for host in hosts:
+        host.join(timeout=300)
+    assert not raised, raised
+
+    kept = _versions(name)
+    assert len(kept) == 1 and [o.model_version for o in runs] == kept * 2, (kept, [o.model_version for o in runs])
+    assert sorted(o.status for o in runs) == ["passed", "promoted"] and _alias(name) == kept[0]
+    told = [o for o in runs if "another run registered the same engine bytes" in o.reason]
+    assert len(told) == 1 and told[0].status == "passed", [o.reason for o in runs]
+    assert f"as v{kept[0]}; that version is kept" in told[0].reason, told[0].reason
+
+
+def test_the_accuracy_baseline_is_the_previous_version_holding_another_engine(tmp_path: Path) -> None:
+    """The regression gate compares today's engine with the newest version of another engine: a rebuild under
+    the same key with other bytes (a --force TensorRT build) is judged against the version registered before it;
+    the same bytes under a new key (a toolchain bump that changed nothing) never against themselves."""
+    spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
+    first = candidate_outcome(ArtifactStore(tmp_path / "night-1"), spec, "int8", "cpu", throughput=400.0)
+    promote(spec, judged(spec, [first]))
+
+    rebuilt = _rebuilt(candidate_outcome(ArtifactStore(tmp_path / "night-2"), spec, "int8", "cpu", throughput=400.0),
+                       seed=7)
+    assert rebuilt.cache_key == first.cache_key
+    found = tracking.previous_version(spec, "cpu", "int8", rebuilt.stages["build"], eval_text=None)
+    assert found is not None and found["version"] == first.model_version, found
+    assert found["metrics"]["accuracy.cosine_mean"] == 0.9988
+
+    same_bytes = _rebuilt(candidate_outcome(ArtifactStore(tmp_path / "night-3"), spec, "int8", "cpu",
+                                            throughput=400.0, variant="new toolchain"),
+                          seed=int(first.cache_key[:8], 16))  # the seed candidate_outcome gave the first engine
+    assert same_bytes.cache_key != first.cache_key
+    assert tracking.engine_identity(same_bytes.stages["build"]) == tracking.engine_identity(first.stages["build"])
+    assert tracking.previous_version(spec, "cpu", "int8", same_bytes.stages["build"], eval_text=None) is None

@@ -33,6 +33,7 @@ from tasks.config.bounds import Strict as _Strict
 from tasks.config.points import default_gate_point
 from tasks.hostload import CONTENDED_SHARE
 from tasks.redact import redacted_url
+from tasks.stats import MIN_ROUNDS
 from tasks.yaml_source import clip, shown
 
 TASKS = ("feature-extraction", "text-classification", "text-generation", "text-generation-with-past")
@@ -193,12 +194,11 @@ class BenchmarkSpec(_Strict):
 
     @model_validator(mode="after")
     def _budget_reaches_min_rounds(self) -> BenchmarkSpec:
-        """A round times at least two engines for about a slot each (tasks/measure.py SLOT_MS, 25 ms): a gate-point
-        budget too short for min_rounds (at least 6, for a 95% interval) of them is a mistake. (Should the
-        engines be slower, the stage measures on to min_rounds and says so.)"""
-        rounds = max(self.min_rounds, 6)
+        """A round times two engines for a slot each (tasks/measure.py SLOT_MS, 25 ms): a gate-point budget too short
+        for min_rounds (and MIN_ROUNDS) of them is a mistake. (Slower engines: the stage measures on and says so.)"""
+        rounds = max(self.min_rounds, MIN_ROUNDS)
         if self.max_seconds < rounds * 2 * 0.025:
-            raise ValueError(f"max_seconds {self.max_seconds:g} cannot fit {rounds} rounds (min_rounds, and at least 6 "
+            raise ValueError(f"max_seconds {self.max_seconds:g} cannot fit {rounds} rounds (min_rounds; {MIN_ROUNDS} "
                              f"for a 95% interval) of two engines at 25 ms each: give at least {rounds * 0.05:g}")
         return self
 

@@ -98,13 +98,15 @@ def as_champion(name: str, found: Any) -> Champion:
                     model_source=found.tags.get(MODEL_SOURCE_TAG) or None)
 
 
-def previous_version(spec: PipelineSpec, target_name: str, precision: str, build_key: str | None,
+def previous_version(spec: PipelineSpec, target_name: str, precision: str, engine: StageResult | None,
                      eval_text: str | None) -> dict[str, Any] | None:
-    """The newest registered version of the same (pipeline, precision, target) built from another key and measured
-    on `eval_text`, the text today's candidate was measured on (its run's EVAL_DATA_TAG; a run from before that was
-    recorded, or a candidate without the record, counts as such), with its run's metrics: what the accuracy
-    regression gate compares with. When every such version was measured on other text, the newest of them with
-    `other_data` set instead: figures from another text are no yardstick."""
+    """The newest registered version of the same (pipeline, precision, target) holding another engine than today's
+    build `engine` (by engine identity, as promotion knows a version: a rebuild with other bytes under the same key
+    is another engine, the same bytes under another key are not) and measured on `eval_text`, the text today's
+    candidate was measured on (its run's EVAL_DATA_TAG; a run from before that was recorded, or a candidate without
+    the record, counts as such), with its run's metrics: what the accuracy regression gate compares with. When every
+    such version was measured on other text, the newest of them with `other_data` set instead: figures from another
+    text are no yardstick."""
     name = registered_model_name(spec.name, target_name)
     try:
         versions = find_versions(name, {"precision": precision})
@@ -112,7 +114,8 @@ def previous_version(spec: PipelineSpec, target_name: str, precision: str, build
         if e.error_code == "RESOURCE_DOES_NOT_EXIST":
             return None
         raise
-    others = [v for v in versions if v.tags.get("cache_key") != build_key]
+    same = {v.version for v in versions_of_engine(name, engine_identity(engine), engine.key)} if engine else set()
+    others = [v for v in versions if v.version not in same]
     if not others:
         return None
     client = _client()
@@ -192,8 +195,13 @@ def create_version(name: str, run_id: str, tags: dict[str, str], description: st
     return _version(created)
 
 
-def delete_version(name: str, version: str) -> None:
-    _client().delete_model_version(name, version)
+def delete_version(name: str, version: str, *, missing_ok: bool = False) -> None:
+    """Delete a version; `missing_ok`: one already deleted (by another run that found the same duplicate) is fine."""
+    try:
+        _client().delete_model_version(name, version)
+    except MlflowException as e:
+        if not (missing_ok and e.error_code == "RESOURCE_DOES_NOT_EXIST"):
+            raise
 
 
 def alias_version(name: str, alias: str) -> str | None:
