@@ -38,11 +38,13 @@ def judged_run(tmp_path_factory: pytest.TempPathFactory, tiny_bert_dir: Path, ml
 
 
 def _flow_run(name: str) -> Any:
+    """The pipeline's flow run, named `<pipeline>: <counts>` when it ended (flows/prefect_outcome.py)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     with get_client(sync_client=True) as client:
-        (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+        (run,) = [run for run in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=name)))
+                  if run.name.split(": ")[0] == name]
         return run
 
 
@@ -95,8 +97,10 @@ def test_prefect_shows_what_each_candidate_ended_as(judged_run: dict[str, Any]) 
     assert flow_run.state.is_completed()
     assert flow_run.state.message == "1 promoted, 1 rejected, 0 pending, 0 failed"
     tasks = {run.name: run for run in _task_runs(flow_run.id)}
-    assert tasks[f"{name}/fp32/cpu"].state.name == "Promoted"
-    assert tasks[f"{name}/int8/cpu"].state.name == "Rejected"
+    assert flow_run.name == f"{name}: 1 promoted, 1 rejected", "the run's header and the runs list say the outcome"
+    assert tasks[f"{name}/fp32/cpu"].state.name == "Promoted" and tasks[f"{name}/fp32/cpu"].state.is_completed()
+    rejected = tasks[f"{name}/int8/cpu"].state
+    assert rejected.name == "Rejected" and rejected.is_cancelled(), "grey in the UI: not a success, not a breakage"
     assert "max_abs_error" in tasks[f"{name}/int8/cpu"].state.message
     assert f"{name}/promote" in tasks and f"{name}/notify" in tasks
     unnamed = [n for n in tasks if re.search(r"-[0-9a-f]{3}$", n)]

@@ -7,6 +7,7 @@ left RUNNING by a process that died is closed as KILLED the next time its pipeli
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import platform
@@ -271,11 +272,26 @@ def run_metrics(run_id: str) -> dict[str, float]:
     return dict(_client().get_run(run_id).data.metrics)
 
 
+LOCAL_UI_PORT = 5000  # `mlflow ui`'s default
+
+
+@functools.cache
+def local_ui_port() -> int:
+    """The port `mlflow ui` is told to use when the client writes a store directly: its default when free
+    here, else a free one (another program on 5000 would answer the links). One per process, so every link
+    and the printed command agree."""
+    for port in (LOCAL_UI_PORT, 0):
+        with contextlib.suppress(OSError), socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))
+            return probe.getsockname()[1]
+    return LOCAL_UI_PORT
+
+
 def run_url(run_id: str) -> str:
-    """Where a run opens in the MLflow UI: on the tracking server, or on `mlflow ui`'s default address
-    when the client writes a store directly; in the UI's model-training view (UI_TRAINING_VIEW)."""
+    """Where a run opens in the MLflow UI: on the tracking server, or on the address `mlflow ui` is told to use
+    (`local_ui_port`) when the client writes a store directly; in the UI's model-training view (UI_TRAINING_VIEW)."""
     experiment_id = _client().get_run(run_id).info.experiment_id
-    server = urlsplit(tracking_server() or "http://127.0.0.1:5000")
+    server = urlsplit(tracking_server() or f"http://127.0.0.1:{local_ui_port()}")
     base = f"{server.scheme}://{server.netloc.rpartition('@')[2]}{server.path}".rstrip("/")  # no user:password
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
 
