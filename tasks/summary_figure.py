@@ -22,6 +22,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tasks.gate_words import RATIO, gated_figures, misses, missed_gates, short_name
 from tasks.outcome import CandidateOutcome
 from tasks.spec import PipelineSpec, Threshold, point_words
 from tasks.whole_file import write_whole
@@ -34,31 +35,6 @@ FILE = "summary.png"
 COLOURS = {"promoted": "#2e7d32", "passed": "#66bb6a", "pending": "#f9a825", "rejected": "#9e9e9e",
            "failed": "#c62828"}
 MISSED = "#c62828"  # a value on the wrong side of its bound
-RATIO = "speedup_vs_reference"
-
-
-def gated_figures(spec: PipelineSpec) -> dict[str, Threshold | None]:
-    """Every figure a bound of the file decides on, named as in the candidate's metrics, speed first (shown
-    even without a bound: it is what the run measured against PyTorch)."""
-    figures: dict[str, Threshold | None] = {RATIO: spec.performance.gates.get(RATIO)}
-    figures |= {metric: bound for metric, bound in spec.performance.gates.items() if metric != RATIO}
-    figures |= {f"accuracy.{metric}": bound for metric, bound in spec.accuracy.gates.items()}
-    return figures
-
-
-def short_name(metric: str) -> str:
-    """The word a bar is labelled with: `p99_ms`, `cosine_min`, `speedup`."""
-    return "speedup" if metric == RATIO else metric.removeprefix("accuracy.")
-
-
-def missed_gates(spec: PipelineSpec, outcome: CandidateOutcome) -> list[str]:
-    """Why a rejected candidate was rejected, a word per gate: each bound its figure misses (or a figure not
-    measured), then any other failed gate by its name (validity, regression)."""
-    words = [short_name(metric) for metric, bound in gated_figures(spec).items()
-             if bound is not None and _misses(bound, outcome.metrics.get(metric))]
-    named = {"accuracy", "performance"} if words else set()
-    words += [g.gate for g in outcome.gates if not g.passed and not g.inconclusive and g.gate not in named]
-    return list(dict.fromkeys(words))
 
 
 def status_label(spec: PipelineSpec, outcome: CandidateOutcome) -> str:
@@ -102,7 +78,7 @@ def _speed_panel(axes: Axes, spec: PipelineSpec, outcomes: list[CandidateOutcome
             axes.text(0.02, row, f"{label}: not measured", va="center", transform=axes.get_yaxis_transform(),
                       color=colour)
             continue
-        missed = gate is not None and _misses(gate, value)
+        missed = gate is not None and misses(gate, value)
         axes.barh(row, value, color=colour, height=0.6, edgecolor=MISSED if missed else "none",
                   hatch="//" if missed else None, linewidth=1.5 if missed else 0)
         low, high = outcome.metrics.get(f"{RATIO}_ci_low"), outcome.metrics.get(f"{RATIO}_ci_high")
@@ -134,7 +110,7 @@ def _bound_panel(axes: Axes, metric: str, bound: Threshold | None, outcomes: lis
             axes.text(0.5, row, "not measured", ha="center", va="center", fontsize=8, color="#616161",
                       transform=axes.get_yaxis_transform())
             continue
-        missed = bound is not None and _misses(bound, value)
+        missed = bound is not None and misses(bound, value)
         axes.plot([value], [row], marker="X" if missed else "o", markersize=10 if missed else 7, linestyle="none",
                   color=MISSED if missed else COLOURS["passed"], markeredgecolor="black", markeredgewidth=0.5)
         axes.annotate(f"{value:.4g}" + ("  ✗" if missed else ""), (value, row), xytext=(0, 9),
@@ -157,11 +133,6 @@ def _bound_words(bound: Threshold | None) -> str:
     if bound is None:
         return "no bound"
     return " and ".join(f"{sign} {limit:g}" for sign, limit in (("≥", bound.min), ("≤", bound.max)) if limit is not None)
-
-
-def _misses(bound: Threshold, value: float | None) -> bool:
-    """Not measured, NaN, or on the wrong side: what the gate fails (tasks/gates.py)."""
-    return value is None or bound.violation(value) is not None
 
 
 def summary_png(spec: PipelineSpec, outcomes: list[CandidateOutcome], drawn: Path | None = None) -> bytes:
