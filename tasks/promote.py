@@ -201,12 +201,10 @@ def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _U
             _refresh_tags(name, same_engine[0].version, missing, undo)
         _refresh_measurement(spec, name, same_engine[0], outcome, undo)
         return same_engine[0].version
-    metrics = _metric_tags(outcome)
-    lead = {"status": "registered", "decision_reason": outcome.reason[:tracking.MAX_TAG_CHARS]}  # the page lists
-    lead |= {k: metrics.pop(k) for k in ("speedup_vs_reference", "p99_ms", "throughput") if k in metrics}  # tags as set
-    tags = lead | {"candidate": outcome.candidate.name, "precision": outcome.candidate.precision,
-                   "target": outcome.candidate.target, "cache_key": outcome.cache_key or ""}
-    tags |= identity | metrics | tracking.measurement(outcome)
+    tags = {"status": "registered", "decision_reason": outcome.reason[:tracking.MAX_TAG_CHARS],  # from the start
+            "candidate": outcome.candidate.name, "precision": outcome.candidate.precision,
+            "target": outcome.candidate.target, "cache_key": outcome.cache_key or ""}
+    tags |= identity | _metric_tags(outcome) | tracking.measurement(outcome)
     created = tracking.create_version(name, outcome.run_id, tags, description=_version_description(outcome))
     undo.add(f"delete version {created.version} of {name}", lambda: tracking.delete_version(name, created.version))
     killpoints.reach("version.created")
@@ -224,7 +222,7 @@ def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _U
 
 
 def _version_description(outcome: CandidateOutcome, status: str = "registered: passed every gate") -> str:
-    """What the registry's version page says first (its tags are listed below, most of them folded): the status,
+    """What the registry's version page says first (its tags follow, sorted by name, five at a time): the status,
     the speed, the reason; then whose engine, and when its figures (the tags) were measured."""
     measured = tracking.measurement(outcome)
     return (_headline(status, _metric_tags(outcome), outcome.reason) + f"\n\nEngine of {outcome.candidate.name}."
@@ -236,7 +234,8 @@ def _headline(status: str, tags: dict[str, str], reason: str) -> str:
     shown = [f"**{status}**"]
     for tag, form in (("speedup_vs_reference", "{}x PyTorch"), ("p99_ms", "p99 {} ms"), ("throughput", "{}/s")):
         with contextlib.suppress(KeyError, ValueError):
-            shown.append(form.format(f"{float(tags[tag]):.4g}"))
+            value = float(tags[tag])
+            shown.append(form.format(f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.4g}"))
     return " · ".join(shown) + (f"\n\n{reason}" if reason else "")
 
 
