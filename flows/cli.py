@@ -83,8 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--seq", type=int, help="sequence length of a prefill (default: the pipeline's gate point, "
                          "which may be a decode step)")
     compare.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    capacity = with_file(sub.add_parser("capacity", help="GPUs that serve N tokens/day with a registered engine"),
-                         select=False)
+    capacity = with_file(sub.add_parser(
+        "capacity", help="GPUs that serve N tokens/day with a registered engine",
+        usage="smelter capacity {REGISTERED_MODEL [--version N] | --figures PATH [--profiles-of PIPELINE]} "
+              "--tokens-per-day N --prompt P --answer A --slo-ms MS [options]"), select=False)
     source = capacity.add_mutually_exclusive_group(required=True)
     source.add_argument("registered_model", nargs="?", help="e.g. llama-sm90 (<pipeline>-<target>)")
     source.add_argument("--figures", metavar="PATH",
@@ -277,7 +279,7 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
                     allow_outside_paths=args.allow_outside_paths, return_state=True)
                 summaries = flow_summaries(ended)
             links = _run_links(summaries)
-            prefect_link = run_link(ended)  # outside `serving`: a temporary server's settings are gone, a lasting one's stay
+            prefect_link = run_link(ended)  # outside `serving`: a temporary server is gone by now, a lasting one stays
     except Exception as e:
         stop_signals.raise_if_stopped()
         progress.stop_if_a_server_was_lost(e)

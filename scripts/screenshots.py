@@ -206,12 +206,14 @@ def take(pipelines: Path, out: Path, prefect_home: Path | None) -> list[Path]:
                 most_rejected, worst = pipeline, len(rejected)
             eid = experiment.experiment_id
             shots.append(screenshot(outcome_view_url(server, eid), out / f"mlflow-runs-{pipeline}.png"))
-            shots.append(screenshot(run_url(server, eid, parent.info.run_id), out / f"mlflow-parent-run-{pipeline}.png"))
+            parent_url = run_url(server, eid, parent.info.run_id)
+            shots.append(screenshot(parent_url, out / f"mlflow-parent-run-{pipeline}.png"))
             shots.append(screenshot(run_url(server, eid, parent.info.run_id, "/artifacts/summary.png"),
                                     out / f"mlflow-summary-figure-{pipeline}.png"))
             shown = (rejected or [r for r in children if r.data.tags.get("status") == "promoted"] or children)[:1]
             for child in shown:
-                shots.append(screenshot(run_url(server, eid, child.info.run_id), out / f"mlflow-child-run-{pipeline}.png"))
+                shots.append(screenshot(run_url(server, eid, child.info.run_id),
+                                        out / f"mlflow-child-run-{pipeline}.png"))
             for model in client.search_registered_models(filter_string=f"name LIKE '{pipeline}-%'"):
                 champion = next(iter(model.aliases.values()), None) if model.aliases else None
                 if champion:

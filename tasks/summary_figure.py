@@ -132,7 +132,8 @@ def _bound_panel(axes: Axes, metric: str, bound: Threshold | None, outcomes: lis
 def _bound_words(bound: Threshold | None) -> str:
     if bound is None:
         return "no bound"
-    return " and ".join(f"{sign} {limit:g}" for sign, limit in (("≥", bound.min), ("≤", bound.max)) if limit is not None)
+    limits = (("≥", bound.min), ("≤", bound.max))
+    return " and ".join(f"{sign} {limit:g}" for sign, limit in limits if limit is not None)
 
 
 def summary_png(spec: PipelineSpec, outcomes: list[CandidateOutcome], drawn: Path | None = None) -> bytes:

@@ -43,8 +43,8 @@ def _flow_run(name: str) -> Any:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     with get_client(sync_client=True) as client:
-        (run,) = [run for run in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=name)))
-                  if run.name.split(": ")[0] == name]
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=name)))
+        (run,) = [run for run in runs if run.name.split(": ")[0] == name]
         return run
 
 

@@ -103,7 +103,8 @@ def test_the_outcome_view_shows_status_speed_and_reason_as_columns(ui_run: dict[
 
 
 def test_the_champions_version_page_leads_with_status_speed_and_reason(ui_run: dict[str, Any]) -> None:
-    text = screenshots.page_text(screenshots.page_dom(screenshots.version_url(ui_run["server"], f"{ui_run['name']}-cpu", "1")))
+    url = screenshots.version_url(ui_run["server"], f"{ui_run['name']}-cpu", "1")
+    text = screenshots.page_text(screenshots.page_dom(url))
     headline = re.search(r"promoted: holds @champion · \S+x PyTorch", text)
     assert headline, text[:3000]
     assert headline.start() < text.find("Tags"), "the status comes before the folded tags"
