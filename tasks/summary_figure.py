@@ -55,14 +55,20 @@ def summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> Figu
 
     figures = gated_figures(spec)
     others = [metric for metric in figures if metric != RATIO]
-    figure = Figure(figsize=(8 + 2.6 * len(others), 1.5 + 0.55 * max(len(outcomes), 1)), layout="constrained")
-    panels = figure.subplots(1, 1 + len(others), sharey=True, squeeze=False,
-                             width_ratios=[3] + [1] * len(others))[0]
-    _speed_panel(panels[0], spec, outcomes, figures[RATIO])
-    for axes, metric in zip(panels[1:], others, strict=True):
+    rows = 1.2 + 0.55 * max(len(outcomes), 1)  # inches a row of panels takes
+    # the speed panel on top, the other bounds side by side under it: a picture about as tall as wide, so
+    # MLflow's artifact viewer, which fits it to its width, keeps the labels readable
+    figure = Figure(figsize=(9, rows * (2 if others else 1) + 0.4), layout="constrained")
+    grid = figure.add_gridspec(2 if others else 1, max(len(others), 1))
+    speed = figure.add_subplot(grid[0, :])
+    _speed_panel(speed, spec, outcomes, figures[RATIO])
+    names = [o.candidate.name for o in outcomes]
+    for column, metric in enumerate(others):
+        axes = figure.add_subplot(grid[1, column], sharey=speed)
         _bound_panel(axes, metric, figures[metric], outcomes)
-    panels[0].set_yticks(range(len(outcomes)), [o.candidate.name for o in outcomes])
-    panels[0].set_ylim(len(outcomes) - 0.5, -0.5)
+        axes.tick_params(axis="y", labelleft=column == 0)
+    speed.set_yticks(range(len(outcomes)), names)
+    speed.set_ylim(len(outcomes) - 0.5, -0.5)
     rejected = sum(o.status == "rejected" for o in outcomes)
     figure.suptitle(f"{spec.name}: every gate, each candidate against its bound"
                     + (f" ({rejected} rejected; the bound missed in red)" if rejected else ""), fontsize=11)
@@ -103,6 +109,8 @@ def _speed_panel(axes: Axes, spec: PipelineSpec, outcomes: list[CandidateOutcome
 
 def _bound_panel(axes: Axes, metric: str, bound: Threshold | None, outcomes: list[CandidateOutcome]) -> None:
     """A dot per candidate against the bound line(s); one that misses is a red cross with its value."""
+    from matplotlib.ticker import MaxNLocator
+
     shown = []
     for row, outcome in enumerate(outcomes):
         value = outcome.metrics.get(metric)
@@ -125,8 +133,8 @@ def _bound_panel(axes: Axes, metric: str, bound: Threshold | None, outcomes: lis
     axes.set_xlim(low - pad, high + pad)
     axes.set_title(f"{short_name(metric)} ({_bound_words(bound)})", fontsize=10)
     axes.set_xlabel(short_name(metric))
-    axes.tick_params(axis="y", left=False)
-    axes.tick_params(axis="x", labelsize=8)
+    axes.tick_params(axis="both", labelsize=8)
+    axes.xaxis.set_major_locator(MaxNLocator(4))  # room for 0.9975-like labels on a narrow panel
 
 
 def _bound_words(bound: Threshold | None) -> str:

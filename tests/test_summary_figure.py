@@ -78,7 +78,7 @@ def test_every_gate_has_a_panel_and_a_rejected_bar_names_the_bound_it_missed(pip
     outcomes = [_judged(spec, "fp32", 1.65, 30.0, 0.999), _judged(spec, "fp16", 1.52, 106.9, 0.998),
                 _judged(spec, "int8", 1.44, 41.0, 0.95)]
     assert [o.status for o in outcomes] == ["passed", "rejected", "rejected"]
-    speed, p99, cosine_mean, cosine_min = summary_figure(spec, outcomes).axes
+    speed, p99, cosine_mean, cosine_min = summary_figure(spec, outcomes).axes  # speed on top, the bounds under it
     assert [a.get_title() for a in (p99, cosine_mean, cosine_min)] == [
         "p99_ms (≤ 50)", "cosine_mean (≥ 0.99)", "cosine_min (≥ 0.97)"]
     labels = [t.get_text() for t in speed.texts]

@@ -109,13 +109,14 @@ SAVED_VIEW_TAG = "mlflow.sharedViewState."  # where MLflow's UI keeps a saved (a
 
 def save_outcome_view(client: MlflowClient, experiment_id: str) -> None:
     """A saved view of the runs table, "smelter: outcome" in the Runs tab's view menu (or `outcome_view_url`):
-    the description (a pipeline run's counts, a candidate's status and why), status, speedup and the decision's
-    reason as columns, newest first (what fits beside MLflow's assistant panel on a laptop's screen). Written as
+    status, speedup, the decision's reason and the description (a pipeline run's counts, a candidate's status
+    and why) as the first columns, newest first (what fits beside MLflow's assistant panel). Written as
     MLflow 3's UI writes one: an experiment tag holding a JSON envelope around the table's state. MLflow keeps
     which rows are expanded out of a saved view (and nests a candidate under its pipeline run whatever the
     filter), so a pipeline run's candidates are one click away, on its row's +."""
-    state = {"selectedColumns": ["attributes.`Description`", "tags.`status`", f"metrics.`{HEADLINE_PREFIX}speedup`",
-                                 "tags.`decision_reason`"],
+    columns = ["tags.`status`", f"metrics.`{HEADLINE_PREFIX}speedup`", "tags.`decision_reason`",
+               "attributes.`Description`"]
+    state = {"selectedColumns": columns, "columnOrder": columns,
              "orderByKey": "attributes.start_time", "orderByAsc": False}
     envelope = {"name": OUTCOME_VIEW_NAME, "createdAt": 0, "state": json.dumps(state)}
     client.set_experiment_tag(experiment_id, f"{SAVED_VIEW_TAG}{OUTCOME_VIEW}", json.dumps(envelope))
