@@ -139,17 +139,21 @@ def mlflow_server(store: str, artifacts: Path, log_dir: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path | None, log_dir: Path) -> Iterator[str]:
-    """A real `prefect server` on loopback over the database in `home` (PREFECT_HOME; None: Prefect's default,
-    where a run without PREFECT_API_URL keeps its flow runs). Yields the UI's address; the API is under /api."""
+def prefect_server(home: Path | None, log_dir: Path, database: str | None = None) -> Iterator[str]:
+    """A real `prefect server` on loopback showing the runs in `home`'s database (PREFECT_HOME; None: Prefect's
+    default, where a run without PREFECT_API_URL keeps its flow runs), or in `database` (a connection URL: another
+    server's, which this one only reads: no services). Yields the UI's address; the API is under /api."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = os.environ | {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": f"{url}/api"}
     env.pop("PREFECT_API_URL", None)
     if home is not None:
         env["PREFECT_HOME"] = str(home)
+    if database is not None:
+        env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database
     server = _serve([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1",
-                     "--port", str(port)], f"{url}/api/health", log_dir / "prefect-server.log", env, "prefect server")
+                     "--port", str(port), "--no-services"], f"{url}/api/health", log_dir / "prefect-server.log",
+                    env, "prefect server")
     try:
         yield url
     finally:

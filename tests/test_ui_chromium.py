@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import io
 import re
+import time
 import uuid
 from pathlib import Path
 from collections.abc import Iterator
@@ -39,26 +40,29 @@ pytestmark = [pytest.mark.slow,
 
 
 @pytest.fixture(scope="module")
-def ui_run(tmp_path_factory: pytest.TempPathFactory, tiny_bert_dir: Path,
-           mlflow_server: str) -> Iterator[dict[str, Any]]:
-    """One run on a lasting Prefect server of its own (a real `prefect server`, whose UI the tests open): int8
-    misses a strict accuracy gate and is rejected, fp32 is promoted."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+def ui_run(tmp_path_factory: pytest.TempPathFactory, tiny_bert_dir: Path, mlflow_server: str,
+           prefect_server: None) -> Iterator[dict[str, Any]]:
+    """One run (int8 misses a strict accuracy gate and is rejected, fp32 is promoted) on the session's Prefect
+    server, a lasting one to `smelter run` (PREFECT_API_URL is set); its runs shown by a real `prefect server`
+    with the UI, reading the same database."""
+    from prefect.settings import get_current_settings
 
     root = tmp_path_factory.mktemp("ui")
     name = f"ui-{uuid.uuid4().hex[:6]}"
     path = write_pipelines(root, tiny_bert_dir, "feature-extraction", precisions=["fp32", "int8"], name=name,
                            accuracy={"gates": {"max_abs_error": {"max": 1e-4}}})
     out = io.StringIO()
-    with screenshots.prefect_server(root / "prefect-home", root) as prefect_ui:
-        with temporary_settings(updates={PREFECT_API_URL: f"{prefect_ui}/api"}), contextlib.redirect_stdout(out):
-            assert main(["run", "-f", str(path), "--artifacts", str(root / "artifacts")]) == 0
-        link = re.search(r"^MLflow: \S+: (\S+)", out.getvalue(), flags=re.M).group(1)
-        client = MlflowClient()
-        runs = {r.info.run_name: r for r in client.search_runs(
-            [client.get_experiment_by_name(f"smelter/{name}").experiment_id])}
+    with contextlib.redirect_stdout(out):
+        assert main(["run", "-f", str(path), "--artifacts", str(root / "artifacts")]) == 0
+    link = re.search(r"^MLflow: \S+: (\S+)", out.getvalue(), flags=re.M).group(1)
+    client = MlflowClient()
+    runs = {r.info.run_name: r for r in client.search_runs(
+        [client.get_experiment_by_name(f"smelter/{name}").experiment_id])}
+    settings = get_current_settings()
+    database = settings.server.database.connection_url.get_secret_value()
+    with screenshots.prefect_server(None, root, database=database) as prefect_ui:
         yield {"name": name, "link": link, "runs": runs, "server": mlflow_server, "prefect": prefect_ui,
-               "stdout": out.getvalue()}
+               "prefect_api": settings.api.url, "prefect_ui_url": settings.ui_url, "stdout": out.getvalue()}
 
 
 def test_the_printed_link_opens_the_experiment_on_its_runs(ui_run: dict[str, Any]) -> None:
@@ -115,14 +119,18 @@ def test_prefect_draws_a_rejection_as_no_success_and_names_the_run_with_its_coun
     import httpx
 
     link = re.search(r"^Prefect: (\S+)", ui_run["stdout"], flags=re.M)
-    assert link and link.group(1).startswith(f"{ui_run['prefect']}/runs/flow-run/"), ui_run["stdout"]
-    api = f"{ui_run['prefect']}/api"
+    assert link and link.group(1).startswith(f"{ui_run['prefect_ui_url']}/runs/flow-run/"), ui_run["stdout"]
+    api = ui_run["prefect_api"]
     flows = httpx.post(f"{api}/flow_runs/filter", json={"flow_runs": {"name": {"like_": ui_run["name"]}}}).json()
     (pipeline_run,) = [f for f in flows if f["name"].split(": ")[0] == ui_run["name"]]
     page = screenshots.page_text(screenshots.page_dom(screenshots.flow_run_url(ui_run["prefect"], pipeline_run["id"])))
     assert f"{ui_run['name']}: 1 promoted, 1 rejected" in page, page[:2000]
-    tasks = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [pipeline_run["id"]]}}}).json()
-    rejected = next(t for t in tasks if t["name"] == f"{ui_run['name']}/int8/cpu")
+    deadline = time.monotonic() + 30  # Prefect records task runs from events: the last may come a moment late
+    while not (rejected := [t for t in httpx.post(f"{api}/task_runs/filter", json={
+            "flow_runs": {"id": {"any_": [pipeline_run["id"]]}}}).json() if t["name"] == f"{ui_run['name']}/int8/cpu"]):
+        assert time.monotonic() < deadline, "no task run for the rejected candidate"
+        time.sleep(0.5)
+    rejected = rejected[0]
     dom = screenshots.page_dom(screenshots.task_run_url(ui_run["prefect"], rejected["id"]))
     badge = re.search(r'class="[^"]*state-badge state--(\w+)"', dom)
     assert badge and badge.group(1) == "cancelled", badge and badge.group(0)

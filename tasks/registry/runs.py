@@ -108,7 +108,8 @@ SAVED_VIEW_TAG = "mlflow.sharedViewState."  # where MLflow's UI keeps a saved (a
 
 
 def save_outcome_view(client: MlflowClient, experiment_id: str) -> None:
-    """A saved view of the runs table, "smelter: outcome" in the Runs tab's view menu (or `outcome_view_url`):
+    """A saved view of the runs table, "smelter: outcome" in the Runs tab's view menu (or the experiment's
+    `#/experiments/<id>/runs?viewStateShareKey=smelter-outcome`):
     status, speedup, the decision's reason and the description (a pipeline run's counts, a candidate's status
     and why) as the first columns, newest first (what fits beside MLflow's assistant panel). Written as
     MLflow 3's UI writes one: an experiment tag holding a JSON envelope around the table's state. MLflow keeps
@@ -319,11 +320,6 @@ def run_url(run_id: str) -> str:
 def _ui_base() -> str:
     server = urlsplit(tracking_server() or f"http://127.0.0.1:{local_ui_port()}")
     return f"{server.scheme}://{server.netloc.rpartition('@')[2]}{server.path}".rstrip("/")  # no user:password
-
-
-def outcome_view_url(experiment_id: str) -> str:
-    """The experiment's runs table in the "smelter: outcome" view (`save_outcome_view`)."""
-    return f"{_ui_base()}/#/experiments/{experiment_id}/runs?viewStateShareKey={OUTCOME_VIEW}&{UI_TRAINING_VIEW}"
 
 
 def headline_metrics(spec: PipelineSpec, metrics: dict[str, float]) -> dict[str, float]:
