@@ -232,7 +232,6 @@ def take(pipelines: Path, out: Path, prefect_home: Path | None) -> list[Path]:
         if most_rejected is not None:
             flow_run_id, _ = _latest_flow_run(f"{prefect_ui}/api", most_rejected)
             shots.append(screenshot(flow_run_url(prefect_ui, flow_run_id), out / "prefect-flow-run.png"))
-            shots.append(screenshot(f"{prefect_ui}/runs", out / "prefect-runs.png"))
     taken = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     (out / "machine.txt").write_text(f"Runs measured on: {machine()}\nScreenshots taken: {taken}\n")
     return shots
