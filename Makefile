@@ -16,7 +16,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	# setuptools' "Editable installation" notice (a banner pip shows even with -q) says nothing to act on
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
 $(TINY_LLAMA)/config.json: scripts/make_tiny_llama.py data/calibration.txt | $(VENV)/.installed

@@ -83,8 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--seq", type=int, help="sequence length of a prefill (default: the pipeline's gate point, "
                          "which may be a decode step)")
     compare.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    capacity = with_file(sub.add_parser("capacity", help="GPUs that serve N tokens/day with a registered engine"),
-                         select=False)
+    capacity = with_file(sub.add_parser(
+        "capacity", help="GPUs that serve N tokens/day with a registered engine",
+        usage="smelter capacity {REGISTERED_MODEL [--version N] | --figures PATH [--profiles-of PIPELINE]} "
+              "--tokens-per-day N --prompt P --answer A --slo-ms MS [options]"), select=False)
     source = capacity.add_mutually_exclusive_group(required=True)
     source.add_argument("registered_model", nargs="?", help="e.g. llama-sm90 (<pipeline>-<target>)")
     source.add_argument("--figures", metavar="PATH",
@@ -264,17 +266,20 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
         with quieted:
             from flows.nightly import nightly_flow
             from flows.pipeline import flow_summaries
+            from flows.prefect_outcome import run_link
 
             for note in _warnings(_selected(specs, args)):
                 progress.message(note)
             progress.message(f"smelter: {_count(len(selected), 'candidate')} in {_count(len(pipelines), 'pipeline')}"
                              + ("" if args.verbose else f"; library output in {log_path}"))
             with server.serving():
-                summaries = flow_summaries(nightly_flow(
+                ended = nightly_flow(
                     file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
                     targets=args.target or None, force=args.force, artifacts=args.artifacts,
-                    allow_outside_paths=args.allow_outside_paths, return_state=True))
+                    allow_outside_paths=args.allow_outside_paths, return_state=True)
+                summaries = flow_summaries(ended)
             links = _run_links(summaries)
+            prefect_link = run_link(ended)  # outside `serving`: a temporary server is gone by now, a lasting one stays
     except Exception as e:
         stop_signals.raise_if_stopped()
         progress.stop_if_a_server_was_lost(e)
@@ -295,7 +300,7 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
             print(f"{len(pending)} promotion event(s) still pending: "
                   + ", ".join(f"{e['registered_model']} v{e['version']} to {e['url']}" for e in pending)
                   + "; they are sent again by the next run or `smelter notify --retry`")
-        for line in _last_lines(summaries, specs, links, log_path):
+        for line in _last_lines(summaries, specs, links, log_path, prefect_link):
             print(line)
     return EXIT_FAILED if failed else EXIT_OK
 
@@ -341,30 +346,56 @@ def _run_links(summaries: list[dict[str, Any]]) -> dict[str, str]:
     return links
 
 
-def _last_lines(summaries: list[dict[str, Any]], specs: Any, links: dict[str, str], log_path: Path) -> list[str]:
-    """Where to look next and what to do: the parent runs in MLflow, then one hint for what this run left."""
+def _last_lines(summaries: list[dict[str, Any]], specs: Any, links: dict[str, str], log_path: Path,
+                prefect_link: str | None = None) -> list[str]:
+    """Where to look next and what to do: the parent runs in MLflow (with the command that opens them when no
+    server is set), the Prefect flow run on a lasting server, then a `Next:` line for each pipeline."""
     from tasks import tracking
 
     lines = [f"MLflow: {pipeline}: {url}  (summary figure under Artifacts, candidates as child runs)"
              for pipeline, url in links.items()]
     if links and not tracking.tracking_server():
-        lines.append(f"        (open them with: mlflow ui --backend-store-uri {tracking.shown_uri(tracking.tracking_uri())})")
+        lines.append(f"        (open them with: {_mlflow_command()} ui --backend-store-uri "
+                     f"{tracking.shown_uri(tracking.tracking_uri())} --port {tracking.local_ui_port()})")
+    if prefect_link:
+        lines.append(f"Prefect: {prefect_link}  (each candidate's verdict as a task run, the table under Artifacts)")
+    pipelines = list(dict.fromkeys(s["pipeline"] for s in summaries))
+    for pipeline in pipelines:
+        own = [s for s in summaries if s["pipeline"] == pipeline]
+        lines.append("Next: " + (f"{pipeline}: " if len(pipelines) > 1 else "") + _next_step(own, specs, log_path))
+    return lines
+
+
+def _next_step(summaries: list[dict[str, Any]], specs: Any, log_path: Path) -> str:
+    """What to do about one pipeline's run, from what its candidates ended as."""
     statuses = {s["status"] for s in summaries}
     if "failed" in statuses:
-        lines.append(f"Next: the failed stage's error is above and in full in {log_path}; fix it and run again "
-                     "(finished stages are cached)")
-    elif "pending" in statuses:
-        lines.append("Next: some measurements were taken on a busy machine; run again when it is quiet to decide them "
-                     "(on a machine that is never quiet, benchmark.contended_above sets the share of the CPU others "
-                     "may use: docs/decisions.md)")
-    elif "promoted" in statuses:
-        lines.append(f"Next: deploy {', '.join(_alias_uris(summaries, specs, promoted=True))}; an unchanged "
-                     "re-run is cached and moves nothing")
-    elif held := _alias_uris(summaries, specs, promoted=False):
-        lines.append(f"Next: nothing moved; {', '.join(held)} stays what to deploy; each candidate's reason is above")
-    else:
-        lines.append("Next: nothing moved; each candidate's reason is above and on its MLflow run")
-    return lines
+        return (f"the failed stage's error is above and in full in {log_path}; fix it and run again "
+                "(finished stages are cached)")
+    if "pending" in statuses:
+        return ("some measurements were taken on a busy machine; run again when it is quiet to decide them "
+                "(on a machine that is never quiet, benchmark.contended_above sets the share of the CPU others "
+                "may use: docs/decisions.md)")
+    if "promoted" in statuses:
+        return (f"deploy {', '.join(_alias_uris(summaries, specs, promoted=True))}; an unchanged "
+                "re-run is cached and moves nothing")
+    if held := _alias_uris(summaries, specs, promoted=False):
+        return f"nothing moved; {', '.join(held)} stays what to deploy; each candidate's reason is above"
+    return ("nothing promoted and nothing to deploy yet: every candidate missed a gate (the reasons are above; the "
+            "summary figure on the MLflow run shows each bound); build something else (precisions, quantization) or "
+            "change the gates in the pipelines file, then run again")
+
+
+def _mlflow_command() -> str:
+    """`mlflow` as this shell finds it: by name when PATH leads to this environment's, else by its path (after
+    `make run`, `.venv/bin/mlflow`: the virtual environment is not activated)."""
+    here = Path(sys.executable).with_name("mlflow")
+    on_path = shutil.which("mlflow")
+    if on_path and Path(on_path).resolve() == here.resolve():
+        return "mlflow"
+    with contextlib.suppress(ValueError):
+        return str(here.relative_to(Path.cwd()))
+    return str(here)
 
 
 def _alias_uris(summaries: list[dict[str, Any]], specs: Any, *, promoted: bool) -> list[str]:
@@ -481,6 +512,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return EXIT_OK
     low, high = result["ci"]
+    if result["same_engine"]:  # timed twice on purpose: the noise floor, never a verdict
+        print(f"{result['registered_model']} v{result['a']} against itself at {result['at']}: the same engine, "
+              f"timed twice: {result['ratio']:.3g}x [{low:.3g}, {high:.3g}] is this machine's noise floor (95% "
+              f"interval, {result['rounds']} rounds in {result['seconds']} s; other processes used "
+              f"{result['host']['foreign_cpu_share']:.0%} of the CPU), not a comparison")
+        return EXIT_OK
     verdict = "conclusive" if result["conclusive"] else "inconclusive"
     print(f"{result['registered_model']} v{result['b']} vs v{result['a']} at {result['at']}: "
           f"v{result['b']} is {result['ratio']:.3g}x as fast [{low:.3g}, {high:.3g}] "

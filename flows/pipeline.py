@@ -25,7 +25,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, Failed, State
 
-from flows import events, fleet, progress
+from flows import events, fleet, prefect_outcome, progress
 from flows.stages import run_step
 from tasks import (benchmark, decide, engine_check, gates, graph, notify, promote, scratch, summary_figure,
                    tracking, triton)
@@ -192,19 +192,12 @@ def _check_engine_here(spec: PipelineSpec, outcome: CandidateOutcome, run_id: st
         tracking.record_engine_check(run_id, "passed")
 
 
-# The final state of a candidate's `verdict` task in the Prefect UI: what happened, not just "Completed"
-STATE_NAMES = {"promoted": "Promoted", "passed": "Passed", "pending": "Pending (machine busy)",
-               "rejected": "Rejected"}
-
-
-@task(name="verdict", cache_policy=NO_CACHE, persist_result=False)
+@task(name="verdict", cache_policy=NO_CACHE, persist_result=False, retries=0)
 def verdict_task(outcome: CandidateOutcome) -> State:
-    """The candidate's last task, named after it: a green `Completed` for a rejected engine would hide
-    the one thing a reader of the flow run wants. A failed candidate's task is `Failed`."""
+    """The candidate's last task, named after it, in a state whose colour says what happened
+    (flows/prefect_outcome.py): a green `Completed` for a rejected engine would hide what a reader wants."""
     progress.candidate_done(outcome.candidate.name, outcome.status, [outcome.reason] if outcome.reason else [])
-    if outcome.status == "failed":
-        return Failed(message=outcome.reason)
-    return Completed(name=STATE_NAMES[outcome.status], message=outcome.reason)
+    return prefect_outcome.verdict_state(outcome)
 
 
 @task(name="promote", cache_policy=NO_CACHE, persist_result=False)
@@ -372,6 +365,7 @@ def flow_end(counts: str, summaries: list[dict[str, Any]]) -> State:
     `smelter run`'s exit code says, so that the Prefect UI, its automations on failed runs and
     `prefect deployment run --watch` see it; `Completed` otherwise. The summaries are its result either way."""
     failed = any(s["status"] == "failed" for s in summaries)
+    prefect_outcome.name_flow_run(s["status"] for s in summaries)
     if pending := len(pending_events(summaries)):  # a webhook that did not answer: said where the run's end is read
         counts += f"; {pending} webhook deliver{'y' if pending == 1 else 'ies'} pending (smelter notify --retry)"
     return (Failed if failed else Completed)(message=counts, data=summaries)

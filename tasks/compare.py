@@ -55,8 +55,11 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
     for label, version in (("a", version_a), ("b", version_b)):
         found = tracking.find_version(name, version)
         if found is None:
-            raise SpecError([f"compare: {name} has no version {version!r} in the registry at "
-                             f"{tracking.shown_uri(tracking.tracking_uri())}"])
+            where = tracking.shown_uri(tracking.tracking_uri())
+            if not tracking.registered_model_exists(name):
+                raise SpecError([f"compare: {name} is not a registered model in the registry at {where} (a "
+                                 f"pipeline's model is registered when one of its candidates first passes every gate)"])
+            raise SpecError([f"compare: {name} has no version {version!r} in the registry at {where}"])
         builds[label] = champion_build(spec, tracking.as_champion(name, found), store)
     runners = {label: open_engine(spec.targets, build, threads=threads) for label, build in builds.items()}
     try:
@@ -76,8 +79,10 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
     ratio = rounds.ratio("a", "b")
     return {"registered_model": name, "a": version_a, "b": version_b, "at": point_words(step), **step,
             "ratio": ratio.ratio, "ci": [ratio.low, ratio.high], "half_width": ratio.half_width,
-            "conclusive": ratio.conclusive(settings.precision) and not load.contended, "contended": load.contended,
-            "verdict": verdict(ratio, settings.precision, load.as_dict()), "rounds": ratio.rounds,
+            "conclusive": ratio.conclusive(settings.precision) and not load.contended and version_a != version_b,
+            "contended": load.contended, "same_engine": version_a == version_b,  # the noise floor, never a verdict
+            "verdict": "same engine: the noise floor" if version_a == version_b
+            else verdict(ratio, settings.precision, load.as_dict()), "rounds": ratio.rounds,
             "seconds": round(rounds.seconds, 2), "extended": rounds.extended, "method": METHOD,
             "host": load.as_dict()}
 

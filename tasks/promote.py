@@ -154,8 +154,11 @@ def _promote_target(spec: PipelineSpec, target: TargetSpec, passing: list[Candid
     if promoted:
         version = versions[best.candidate.name]
         _refresh_tags(name, version, _promotion_tags(best), undo)
+        _redescribe(name, version, f"promoted: holds @{alias}", _metric_tags(best), best.decision.reason, undo)
         if previous and tracking.find_version(name, previous):
             _refresh_tags(name, previous, {"status": "superseded", "superseded_by": version}, undo)
+            _redescribe(name, previous, f"superseded by v{version}", tracking.get_version(name, previous).tags,
+                        f"v{version} took @{alias}: {best.decision.reason}", undo)
         _record_event(spec, best, name, version, previous, undo)
         killpoints.reach("event.recorded")
         tracking.set_alias(name, alias, version)
@@ -200,7 +203,8 @@ def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _U
             _refresh_tags(name, same_engine[0].version, missing, undo)
         _refresh_measurement(spec, name, same_engine[0], outcome, undo)
         return same_engine[0].version
-    tags = {"candidate": outcome.candidate.name, "precision": outcome.candidate.precision,
+    tags = {"status": "registered", "decision_reason": outcome.reason[:tracking.MAX_TAG_CHARS],  # from the start
+            "candidate": outcome.candidate.name, "precision": outcome.candidate.precision,
             "target": outcome.candidate.target, "cache_key": outcome.cache_key or ""}
     tags |= identity | _metric_tags(outcome) | tracking.measurement(outcome)
     created = tracking.create_version(name, outcome.run_id, tags, description=_version_description(outcome))
@@ -229,10 +233,39 @@ def _registered_meanwhile(outcome: CandidateOutcome, kept: str, removed: str) ->
                         dataclasses.replace(decision, reason=f"{decision.reason}; {why}"))
 
 
-def _version_description(outcome: CandidateOutcome) -> str:
-    """What the registry's version page says first: whose engine, and when its figures (the tags) were measured."""
+def _version_description(outcome: CandidateOutcome, status: str = "registered: passed every gate") -> str:
+    """What the registry's version page says first (its tags follow, sorted by name, five at a time): the status,
+    the speed, the reason; then whose engine, and when its figures (the tags) were measured."""
     measured = tracking.measurement(outcome)
-    return f"Engine of {outcome.candidate.name}." + (f" {tracking.measured_sentence(measured)}" if measured else "")
+    return (_headline(status, _metric_tags(outcome), outcome.reason) + f"\n\nEngine of {outcome.candidate.name}."
+            + (f" {tracking.measured_sentence(measured)}" if measured else ""))
+
+
+def _headline(status: str, tags: dict[str, str], reason: str) -> str:
+    """`**promoted: holds @champion** · 1.65x PyTorch · p99 30.2 ms`, then the reason on a line of its own."""
+    shown = [f"**{status}**"]
+    for tag, form in (("speedup_vs_reference", "{}x PyTorch"), ("p99_ms", "p99 {} ms"), ("throughput", "{}/s")):
+        with contextlib.suppress(KeyError, ValueError):
+            value = float(tags[tag])
+            shown.append(form.format(f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.4g}"))
+    return " · ".join(shown) + (f"\n\n{reason}" if reason else "")
+
+
+def _status_words(tags: dict[str, str], alias: str) -> str:
+    if tags.get("status") == "superseded":
+        return f"superseded by v{tags.get('superseded_by')}"
+    if tags.get("status") == "promoted":
+        return f"promoted: holds @{alias}"
+    return "registered: passed every gate"
+
+
+def _redescribe(name: str, version: str, status: str, tags: dict[str, str], reason: str, undo: _Undo) -> None:
+    """The version's description led by its new status (the lines from `Engine of` on kept), undoably."""
+    old = tracking.version_description(name, version)
+    rest = old[old.index("Engine of"):] if "Engine of" in old else old
+    tracking.set_version_description(name, version, _headline(status, tags, reason) + (f"\n\n{rest}" if rest else ""))
+    undo.add(f"restore the description of {name} version {version}",
+             lambda: tracking.set_version_description(name, version, old))
 
 
 def _refresh_measurement(spec: PipelineSpec, name: str, version: tracking.RegisteredVersion,
@@ -248,7 +281,8 @@ def _refresh_measurement(spec: PipelineSpec, name: str, version: tracking.Regist
     stale = [k for k in key_metrics(dict.fromkeys(version.tags, 0.0)) if k not in metrics]  # not measured today
     _refresh_tags(name, version.version, metrics | measured, undo, drop=stale)
     old_description = tracking.version_description(name, version.version)
-    tracking.set_version_description(name, version.version, _version_description(outcome))
+    tracking.set_version_description(name, version.version,
+                                     _version_description(outcome, _status_words(version.tags, spec.promotion.alias)))
     undo.add(f"restore the description of {name} version {version.version}",
              lambda: tracking.set_version_description(name, version.version, old_description))
     sections = tracking.measured_sections(spec, outcome, stage_metrics(outcome.stages), f"{name} v{version.version}")

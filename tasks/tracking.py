@@ -18,7 +18,7 @@ from tasks.registry.candidates import candidate_outcomes, log_candidate, record_
 from tasks.registry.card import engine_card, finish_candidate, measured_sections, replace_card_sections, restore_card
 from tasks.registry.client import ServerLost, server_lost, shown_uri, store_problem, tracking_server, tracking_uri
 from tasks.registry.runs import (MAX_TAG_CHARS, OWNER_TAG, describe_pipeline_run, experiment_name, log_directory,
-                                 log_summary_figure, owner_tag, pipeline_run, run_metrics, run_url)
+                                 local_ui_port, log_summary_figure, owner_tag, pipeline_run, run_metrics, run_url)
 from tasks.registry.uploads import (engine_check_verdict, engine_dir, engine_source, hold_engine_files,
                                     record_engine_check, uploaded_engine_digest)
 from tasks.registry.versions import (ENGINE_IDENTITY_TAG, MEASURED_AT, MEASURED_CONTENDED, MEASURED_CPU_SHARE,

@@ -37,14 +37,15 @@ def cached_task_runs() -> list[str]:
 
 
 def flow_run_state(name: str) -> str:
-    """The state type of the newest Prefect flow run named `name`."""
+    """The state type of the newest Prefect flow run of pipeline `name` (named `<name>: <counts>` when it ended)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.client.schemas.sorting import FlowRunSort
 
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])),
-                                     sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)
+        runs = [run for run in client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=name)),
+                                                     sort=FlowRunSort.EXPECTED_START_TIME_DESC)
+                if run.name.split(": ")[0] == name]
     assert runs, f"no Prefect flow run {name}"
     return runs[0].state.type.value
 

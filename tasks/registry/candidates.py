@@ -53,7 +53,8 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
     status = "FAILED"
     try:
         mlflow.log_params(candidate_params(spec, outcome))
-        mlflow.log_metrics(rounded(metrics | headline_metrics(spec, metrics) | stage_seconds(outcome.stages)))
+        # the headline first: the run page lists metrics in the order they were logged, not by name
+        mlflow.log_metrics(rounded(headline_metrics(spec, metrics) | metrics | stage_seconds(outcome.stages)))
         _log_engine(spec, outcome)
         _log_stage_files(outcome.stages)
         _log_tables(outcome.stages)

@@ -7,6 +7,7 @@ left RUNNING by a process that died is closed as KILLED the next time its pipeli
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import platform
@@ -32,7 +33,7 @@ from tasks.store import StageResult
 
 MAX_PARAM_CHARS = 6000
 MAX_TAG_CHARS = 8000
-HEADLINE_PREFIX = "_"  # sorts before every other metric name in MLflow's run table and compare view
+HEADLINE_PREFIX = "_"  # sorts before letters where MLflow sorts names (ASCII); the run page lists them as logged: first
 DESCRIPTION_TAG = "mlflow.note.content"  # what the MLflow UI shows as a run's description
 # MLflow 3's UI opens an experiment by its kind: without it a smelter experiment opens on GenAI traces
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
@@ -101,6 +102,27 @@ def _experiment_id(client: MlflowClient, pipeline: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
+OUTCOME_VIEW = "smelter-outcome"  # the saved view's id: the experiment tag mlflow.sharedViewState.<id>
+OUTCOME_VIEW_NAME = "smelter: outcome"
+SAVED_VIEW_TAG = "mlflow.sharedViewState."  # where MLflow's UI keeps a saved (and shared) runs-table view
+
+
+def save_outcome_view(client: MlflowClient, experiment_id: str) -> None:
+    """A saved view of the runs table, "smelter: outcome" in the Runs tab's view menu (or the experiment's
+    `#/experiments/<id>/runs?viewStateShareKey=smelter-outcome`):
+    status, speedup, the decision's reason and the description (a pipeline run's counts, a candidate's status
+    and why) as the first columns, newest first (what fits beside MLflow's assistant panel). Written as
+    MLflow 3's UI writes one: an experiment tag holding a JSON envelope around the table's state. MLflow keeps
+    which rows are expanded out of a saved view (and nests a candidate under its pipeline run whatever the
+    filter), so a pipeline run's candidates are one click away, on its row's +."""
+    columns = ["tags.`status`", f"metrics.`{HEADLINE_PREFIX}speedup`", "tags.`decision_reason`",
+               "attributes.`Description`"]
+    state = {"selectedColumns": columns, "columnOrder": columns,
+             "orderByKey": "attributes.start_time", "orderByAsc": False}
+    envelope = {"name": OUTCOME_VIEW_NAME, "createdAt": 0, "state": json.dumps(state)}
+    client.set_experiment_tag(experiment_id, f"{SAVED_VIEW_TAG}{OUTCOME_VIEW}", json.dumps(envelope))
+
+
 def _artifacts_beside_the_store(experiment: str) -> str | None:
     """Where a new experiment keeps its artifacts when its store is a SQLite file outside the working
     directory (smelter run from elsewhere: flows/cli.py keeps the stores beside the pipelines file): in
@@ -140,7 +162,9 @@ def pipeline_run(spec: PipelineSpec, run_name: str, params: dict[str, Any]) -> I
     client = _client()
     close_stale_runs(spec.name)
     tags = {"model": _model_tag(spec), "pipeline": spec.name, OWNER_TAG: owner_tag()}
-    run_id = client.create_run(_experiment_id(client, spec.name), run_name=run_name, tags=tags).info.run_id
+    experiment_id = _experiment_id(client, spec.name)
+    run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+    save_outcome_view(client, experiment_id)
     killpoints.reach("run.started")
     status = "FAILED"
     try:
@@ -186,12 +210,12 @@ def candidate_tags(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, s
     candidate = outcome.candidate
     target = spec.target(candidate.target)
     build = outcome.stages.get("build")
-    tags = {
+    tags = {  # what was decided first: the run page lists tags in the order they were first set
+        "status": outcome.status, "decision_reason": outcome.reason or "not decided yet", "gate": gate_tag(outcome),
+        "gate_reasons": "; ".join(outcome.gate_reasons),
         "candidate": candidate.name, "pipeline": candidate.pipeline, "model": _model_tag(spec),
         "precision": candidate.precision, "target": candidate.target, "arch": _arch(spec, outcome),
         "backend": build.outputs.get("backend", target.backend) if build else target.backend,
-        "gate": gate_tag(outcome),
-        "gate_reasons": "; ".join(outcome.gate_reasons), "status": outcome.status,
         "rebuilt": ",".join(name for name, stage in outcome.stages.items() if not stage.cached) or "none",
     }
     if build:
@@ -271,13 +295,31 @@ def run_metrics(run_id: str) -> dict[str, float]:
     return dict(_client().get_run(run_id).data.metrics)
 
 
+LOCAL_UI_PORT = 5000  # `mlflow ui`'s default
+
+
+@functools.cache
+def local_ui_port() -> int:
+    """The port `mlflow ui` is told to use when the client writes a store directly: its default when free
+    here, else a free one (another program on 5000 would answer the links). One per process, so every link
+    and the printed command agree."""
+    for port in (LOCAL_UI_PORT, 0):
+        with contextlib.suppress(OSError), socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))
+            return probe.getsockname()[1]
+    return LOCAL_UI_PORT
+
+
 def run_url(run_id: str) -> str:
-    """Where a run opens in the MLflow UI: on the tracking server, or on `mlflow ui`'s default address
-    when the client writes a store directly; in the UI's model-training view (UI_TRAINING_VIEW)."""
+    """Where a run opens in the MLflow UI: on the tracking server, or on the address `mlflow ui` is told to use
+    (`local_ui_port`) when the client writes a store directly; in the UI's model-training view (UI_TRAINING_VIEW)."""
     experiment_id = _client().get_run(run_id).info.experiment_id
-    server = urlsplit(tracking_server() or "http://127.0.0.1:5000")
-    base = f"{server.scheme}://{server.netloc.rpartition('@')[2]}{server.path}".rstrip("/")  # no user:password
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
+    return f"{_ui_base()}/#/experiments/{experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
+
+
+def _ui_base() -> str:
+    server = urlsplit(tracking_server() or f"http://127.0.0.1:{local_ui_port()}")
+    return f"{server.scheme}://{server.netloc.rpartition('@')[2]}{server.path}".rstrip("/")  # no user:password
 
 
 def headline_metrics(spec: PipelineSpec, metrics: dict[str, float]) -> dict[str, float]:
@@ -299,14 +341,37 @@ def stage_seconds(stages: dict[str, StageResult]) -> dict[str, float]:
 
 
 def describe_pipeline_run(parent_run_id: str, outcomes: list[CandidateOutcome]) -> None:
-    """The parent run's description: what was decided for each candidate and why, and whether
-    anything was rebuilt (tag `rebuilt`: an unchanged nightly says false)."""
-    lines = ["| candidate | status | version | reason |", "|---|---|---|---|"]
+    """The parent run's description: the counts, then one short row per candidate (status, version, speed, why
+    in a few words), short enough that the run page shows it whole, without "Show more"; each candidate's full
+    reason is its own run's description. Tag `rebuilt`: whether anything was rebuilt (an unchanged nightly: false)."""
+    lines = ["| candidate | status | version | speedup | why |", "|---|---|---|---|---|"]
     for o in outcomes:
-        lines.append(f"| {o.candidate.name} | {o.status} | {o.model_version or '-'} | {o.reason.replace('|', '/')} |")
+        speedup = o.metrics.get("speedup_vs_reference")
+        shown = f"{speedup:.3g}x" if speedup is not None and math.isfinite(speedup) else "-"
+        lines.append(f"| {o.candidate.name} | **{o.status}** | {o.model_version or '-'} | {shown} | "
+                     f"{short_reason(o).replace('|', '/')} |")
     counts = {s: sum(o.status == s for o in outcomes) for s in ("promoted", "passed", "pending", "rejected", "failed")}
     head = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no candidates"
     rebuilt = any(not stage.cached for o in outcomes for name, stage in o.stages.items() if name in ENGINE_STAGES)
     client = _client()
     client.set_tag(parent_run_id, DESCRIPTION_TAG, f"{head}.\n\n" + "\n".join(lines))
     client.set_tag(parent_run_id, "rebuilt", str(rebuilt).lower())
+
+
+SHORT_REASON = 60  # characters of a row's why: a table row stays one line on the run page
+
+
+def short_reason(outcome: CandidateOutcome) -> str:
+    """A few words of why: the bounds a rejected candidate missed (`p99_ms 106.9 > max 50`), the stage that
+    failed, a busy machine, else the decision's reason cut short."""
+    if outcome.status == "rejected":
+        missed = [reason.split(" (")[0] for gate in outcome.gates if not gate.passed and not gate.inconclusive
+                  for reason in gate.reasons]
+        text = "; ".join(missed) or outcome.reason
+    elif outcome.status == "failed":
+        text = f"{outcome.failed_stage} failed" if outcome.failed_stage else outcome.reason
+    elif outcome.status == "pending":
+        text = "machine busy: speed not judged"
+    else:
+        text = outcome.reason.split(" (")[0]
+    return text if len(text) <= SHORT_REASON else text[:SHORT_REASON - 1].rstrip() + "…"
