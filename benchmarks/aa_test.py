@@ -1,12 +1,12 @@
 """A/A test: one ONNX Runtime engine timed against itself, the stage's way. How often is it called different?
 
 Two sessions of the same small ONNX graph (a 4-layer MLP made here) are the two contenders of
-tasks/measure.py's interleaved rounds, with the benchmark stage's defaults (warm-up, min_rounds,
-budget, precision) and tasks/stats.py's ratio and 95% interval, watched by tasks/hostload.py as the
+tasks/measure/rounds.py's interleaved rounds, with the benchmark stage's defaults (warm-up, min_rounds,
+budget, precision) and tasks/measure/stats.py's ratio and 95% interval, watched by tasks/measure/hostload.py as the
 stage watches it. The true ratio is 1, so per repeat:
 - covered: the interval contains 1 (the bar: in ≥ 90% of repeats);
 - conclusive and wrong: the interval is within ±precision and excludes 1 (the bar: ≤ 5%), split into
-  quiet repeats (which could decide) and contended ones (which decide nothing, tasks/decide.py);
+  quiet repeats (which could decide) and contended ones (which decide nothing, tasks/judge/decide.py);
 - contended: other processes used more than `contended_above` of the CPU while it was timed;
 - would move the alias: conclusive, the interval above 1 and the ratio ≥ 1 + performance.min_improvement
   (either way round), on a quiet machine: the error a user would see.
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.hostload import LoadWatch
-from tasks.measure import Contender, measure_rounds
-from tasks.spec import BenchmarkSpec, PerformanceSpec
-from tasks.stats import Ratio, wilson_interval
+from tasks.config.spec import BenchmarkSpec, PerformanceSpec
+from tasks.measure.hostload import LoadWatch
+from tasks.measure.rounds import Contender, measure_rounds
+from tasks.measure.stats import Ratio, wilson_interval
 
 WIDTH = 256
 

@@ -23,15 +23,15 @@ from pathlib import Path
 
 import torch
 
-from tasks.benchmark import (REFERENCE, benchmark_threads, engine_timer, prefill_past, reference_call,
+from tasks.config.spec import load
+from tasks.runtime.store import ArtifactStore
+from tasks.stages.benchmark import (REFERENCE, benchmark_threads, engine_timer, prefill_past, reference_call,
                              run_benchmark, time_call_ms)
-from tasks.build import open_engine, run_build
-from tasks.export import run_export
-from tasks.inputs import point_feeds, read_texts
-from tasks.models import ModelSource, load_reference, load_tokenizer
-from tasks.precision import run_precision
-from tasks.spec import load
-from tasks.store import ArtifactStore
+from tasks.stages.build import open_engine, run_build
+from tasks.stages.export import run_export
+from tasks.stages.inputs import point_feeds, read_texts
+from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.precision import run_precision
 
 LEGACY_WARMUP, LEGACY_REPEATS, LEGACY_BLOCKS = 5, 30, 5
 

@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 
 from tasks.backends.base import Runner
-from tasks.benchmark import for_candidate, run_benchmark
-from tasks.build import open_engine, run_build
-from tasks.decide import decide
-from tasks.export import run_export
+from tasks.config.spec import Candidate, load
+from tasks.judge.decide import decide
 from tasks.outcome import CandidateOutcome, Champion, GateResult
-from tasks.precision import run_precision
-from tasks.spec import Candidate, load
-from tasks.store import ArtifactStore
+from tasks.runtime.store import ArtifactStore
+from tasks.stages.benchmark import for_candidate, run_benchmark
+from tasks.stages.build import open_engine, run_build
+from tasks.stages.export import run_export
+from tasks.stages.precision import run_precision
 
 CASES = (("15% slower", "candidate", 1 / 0.85), ("2% slower", "candidate", 1.02), ("15% faster", "champion", 1 / 0.85))
 

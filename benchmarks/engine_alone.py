@@ -59,10 +59,10 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     import onnxruntime as ort
     import torch
 
-    from tasks.benchmark import fed_shape, prefill_past, reference_call
-    from tasks.inputs import point_feeds, read_texts
-    from tasks.models import ModelSource, load_reference, load_tokenizer
-    from tasks.spec import load
+    from tasks.stages.benchmark import fed_shape, prefill_past, reference_call
+    from tasks.stages.inputs import point_feeds, read_texts
+    from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+    from tasks.config.spec import load
 
     spec = load(job["file"], check_env=False).pipelines[job["pipeline"]]
     source = ModelSource.of(spec)
@@ -198,8 +198,8 @@ def main() -> int:
     if args.one:
         print(json.dumps(run_one(json.loads(args.one))))
         return 0
-    from tasks.backends.onnxruntime import cpu_isa
-    from tasks.spec import load
+    from tasks.backends.onnxruntime.backend import cpu_isa
+    from tasks.config.spec import load
 
     specs = load(args.file, check_env=False).pipelines
     artifacts = Path(args.artifacts) if args.artifacts else Path(args.file).resolve().parent / "artifacts"

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_pipeline import BERT_BASE, Report
-from tasks import gpu_measure as gm
-from tasks.backends.inductor import versions
-from tasks.gpu import detect_gpu
+from tasks.backends.inductor.backend import versions
+from tasks.measure import gpu_measure as gm
+from tasks.runtime.gpu import detect_gpu
 
 MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
               intermediate_size=1536, max_position_embeddings=512)
@@ -62,13 +62,13 @@ def attention_alone(heads: int, head_dim: int, batch: int, seq: int, repeats: in
 
 def variant(model: torch.nn.Module, graph: str, opts: set[str], ids: torch.Tensor, mask: torch.Tensor,
             fp32: torch.Tensor, flops: float, bound: float, repeats: int) -> dict[str, Any]:
-    from tasks.backends.encoder_graphs import EncoderPrefill
-    from tasks.backends.inductor import _exportable_masks
+    from tasks.backends.inductor.encoder_graphs import EncoderPrefill
+    from tasks.backends.inductor.backend import _exportable_masks
 
     started = time.perf_counter()
     auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
     if graph == "hf":
-        from tasks.backends.inductor import PrefillGraph
+        from tasks.backends.inductor.backend import PrefillGraph
 
         _exportable_masks(model)
         module, inputs, dyn = PrefillGraph(model, False), (ids, mask), (auto, auto)

@@ -1,6 +1,6 @@
 """An inductor engine on the GPU: the latency smelter's benchmark stage records for it against the same engine alone.
 
-In-run: the engine and the PyTorch fp32 reference timed by the stage's own rounds (tasks.measure:
+In-run: the engine and the PyTorch fp32 reference timed by the stage's own rounds (tasks.measure.rounds:
 interleaved slots, ABBA orders, a pause before each slot, CUDA events for both, as the stage times
 GPU contenders). Alone: the same engine, then the same reference, each loaded in a fresh process
 that times only it (10 untimed calls, then `--calls` timed with CUDA events), in `--passes`
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tasks import gpu_measure as gm
+from tasks.measure import gpu_measure as gm
 
 REFERENCE = "pytorch"
 
@@ -58,8 +58,8 @@ def reference_timer(model_dir: Path, inputs: dict[str, np.ndarray]) -> Any:
 
 
 def engine_timer(engine_dir: Path, inputs: dict[str, np.ndarray]) -> Any:
-    from tasks.backends.inductor import InductorBackend
-    from tasks.spec import InductorTarget
+    from tasks.backends.inductor.backend import InductorBackend
+    from tasks.config.spec import InductorTarget
 
     target = InductorTarget(**json.loads((engine_dir / "target.json").read_text()))
     runner = InductorBackend().load(engine_dir, target)
@@ -76,9 +76,9 @@ def alone(who: str, engine_dir: Path, model_dir: Path, batch: int, seq: int, cal
 
 def build(work: Path, batch: int, seq: int) -> tuple[Path, Path, dict[str, Any]]:
     from benchmarks.gpu_pipeline import MINILM, make_model
-    from tasks.backends.inductor import InductorBackend
-    from tasks.gpu import detect_gpu
-    from tasks.spec import InductorTarget, ProfileSpec
+    from tasks.backends.inductor.backend import InductorBackend
+    from tasks.runtime.gpu import detect_gpu
+    from tasks.config.spec import InductorTarget, ProfileSpec
 
     model_dir, engine_dir = work / "minilm", work / "engine"
     make_model("encoder", MINILM, model_dir)
@@ -104,8 +104,8 @@ def main() -> None:
     if args.alone:
         alone(args.alone, args.engine, args.model, args.batch, args.seq, args.calls)
         return
-    from tasks.measure import Contender, measure_rounds
-    from tasks.spec import BenchmarkSpec
+    from tasks.measure.rounds import Contender, measure_rounds
+    from tasks.config.spec import BenchmarkSpec
 
     settings = BenchmarkSpec()  # the stage's defaults: warmup, min_rounds, max_seconds, precision
     result: dict[str, Any] = {"command": "python -m benchmarks.gpu_in_run_vs_alone " + " ".join(sys.argv[1:]),

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from tasks import gpu_measure as gm
-from tasks.backends.inductor import InductorBackend, versions
-from tasks.gpu import detect_gpu
-from tasks.spec import InductorTarget, ProfileSpec
+from tasks.backends.inductor.backend import InductorBackend, versions
+from tasks.config.spec import InductorTarget, ProfileSpec
+from tasks.measure import gpu_measure as gm
+from tasks.runtime.gpu import detect_gpu
 
 LLAMA_32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                    num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
@@ -152,7 +152,7 @@ def calibration_windows(batch: int, seq: int, count: int) -> list[tuple[torch.Te
 
 
 def static_scales(model: torch.nn.Module, args: argparse.Namespace, batch: int, seq: int) -> dict[str, float]:
-    from tasks.backends.llama_graphs import FP8_MAX, calibrate_input_amax
+    from tasks.backends.inductor.llama_graphs import FP8_MAX, calibrate_input_amax
 
     amax = calibrate_input_amax(model, calibration_windows(batch, seq, args.calibration_batches))
     return {name: value / FP8_MAX for name, value in amax.items()}
@@ -281,7 +281,7 @@ def decoder_model(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any],
 
 
 def decoder_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
-    from tasks.backends.llama_graphs import StaticDecoder  # noqa: F401  (import errors surface here, early)
+    from tasks.backends.inductor.llama_graphs import StaticDecoder  # noqa: F401  (import errors surface here, early)
 
     config, model_dir, training = decoder_model(args, work)
     batch, seq, past = 8, 512, 512
@@ -456,7 +456,7 @@ def fp8_product_error(shape: gm.DecoderShape, tokens: int) -> dict[str, Any]:
     """Each layer product of the decoder in fp8, as the engine computes it (e4m3 operands, fast
     accumulation), against the same product computed exactly on the same e4m3 values, both against
     fp32: the first gap is what quantisation costs, the second what the kernel adds to it."""
-    from tasks.backends.llama_graphs import FP8_MAX, _Linear
+    from tasks.backends.inductor.llama_graphs import FP8_MAX, _Linear
 
     torch.manual_seed(0)
     shapes = {"qkv": (shape.hidden, (shape.heads + 2 * shape.kv_heads) * shape.head_dim),
@@ -507,8 +507,8 @@ def decode_step_section(args: argparse.Namespace, work: Path, ceilings: dict[str
     product alone (`decode_products`)."""
     import copy
 
-    from tasks.backends import decode_products as dp
-    from tasks.backends.inductor import DecodeSession, _compile_options, export_decode
+    from tasks.backends.inductor import decode_products as dp
+    from tasks.backends.inductor.backend import DecodeSession, _compile_options, export_decode
 
     past, max_len = 512, 528
     cfg, model, training = llama_on_gpu(QUICK_LLAMA if args.quick else LLAMA_32_1B, args.train_steps)
@@ -598,7 +598,7 @@ ROWS_CANDIDATES = {1: ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (64, 1
 
 def with_settings(fn: Any, **settings: Any) -> Any:
     """fn with decode_products' module settings (PDL, GEMV_WORDS, ...) changed while it launches."""
-    from tasks.backends import decode_products as dp
+    from tasks.backends.inductor import decode_products as dp
 
     def call(i: int) -> torch.Tensor:
         saved = {name: getattr(dp, name) for name in settings}
@@ -674,7 +674,7 @@ def best_decode_configs(products: dict[str, Any]) -> dict[str, Any]:
 
 def apply_decode_configs(best: dict[str, Any]) -> dict[str, Any]:
     """Set decode_products' block shapes and row thresholds to `best`; what it set, for the report."""
-    from tasks.backends import decode_products as dp
+    from tasks.backends.inductor import decode_products as dp
 
     dp.GEMV_CONFIGS.update(best["gemv"])
     dp.ROWS_CONFIGS.update(best["rows"])
@@ -697,7 +697,7 @@ def decode_product_kernels(shape: gm.DecoderShape, ceilings: dict[str, Any], rep
     second of weights read, each call timed inside a CUDA graph of many (graph_call_us) rotating over
     copies of the weights larger than L2 together (as a step reads each weight once), and each one's
     relative error vs fp32."""
-    from tasks.backends import decode_products as dp
+    from tasks.backends.inductor import decode_products as dp
 
     products = {"qkv": ((shape.heads + 2 * shape.kv_heads) * shape.head_dim, shape.hidden, "norm"),
                 "o": (shape.hidden, shape.heads * shape.head_dim, "residual"),
@@ -789,7 +789,7 @@ def decode_attention_kernels(shape: gm.DecoderShape, ceilings: dict[str, Any], p
     reference (the unfused step's attention) at batch 1 and 64, each call timed inside a CUDA graph of
     one call per layer's cache (graph_call_us), as bytes per second of the K and V read up to `past`,
     with the relative error vs fp32; the op then runs the fastest configuration at each batch."""
-    from tasks.backends import decode_products as dp
+    from tasks.backends.inductor import decode_products as dp
 
     out: dict[str, Any] = {}
     d, heads, kvh = shape.head_dim, shape.heads, shape.kv_heads
@@ -835,8 +835,8 @@ def prefill_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
     instead of a full build."""
     import copy
 
-    from tasks.backends.inductor import _compile_options, export_prefill
-    from tasks.backends.llama_support import fp8_kept
+    from tasks.backends.inductor.backend import _compile_options, export_prefill
+    from tasks.backends.inductor.llama_support import fp8_kept
 
     batch, seq = 8, 512
     cfg, model, training = llama_on_gpu(QUICK_LLAMA if args.quick else LLAMA_32_1B, args.train_steps)
@@ -902,7 +902,7 @@ def fp8_recipes(model: torch.nn.Module, prompts_: list[torch.Tensor], fp32: list
     engines are checked on (another seed), so that choosing a recipe here does not tune the figure
     reported for it. `fixed_vs_first` and `broken_vs_first` pair the positions: those a recipe gets
     right that the first recipe gets wrong, and the reverse."""
-    from tasks.backends.llama_graphs import LlamaPrefill
+    from tasks.backends.inductor.llama_graphs import LlamaPrefill
 
     reference = torch.cat([r.argmax(-1) for r in fp32])
     out: dict[str, Any] = {"positions": int(reference.numel())}
@@ -924,7 +924,7 @@ def fp8_recipes(model: torch.nn.Module, prompts_: list[torch.Tensor], fp32: list
 
 def kept_by_globs(cfg: Any, scales: dict[str, float] | None) -> dict[str, tuple[list[str], dict[str, float] | None]]:
     """The prefill section's recipes: products kept bf16 chosen by layer or by kind."""
-    from tasks.backends.llama_support import fp8_kept
+    from tasks.backends.inductor.llama_support import fp8_kept
 
     last = cfg.num_hidden_layers - 1
     globs = {"none": [], "first layer": ["layers.0.*"], "last layer": [f"layers.{last}.*"],
@@ -943,7 +943,7 @@ def kept_by_sensitivity(cfg: Any, sensitivity: dict[str, Any], scales: dict[str,
     """Recipes of the decoder_fp8 section on its own model: nothing kept, the first and last layers (the
     hand-picked recipe of earlier runs), and fp8_bf16_share's choice at each share from the engine's
     measured sensitivity."""
-    from tasks.backends.llama_support import fp8_kept, keep_sensitive, product_costs
+    from tasks.backends.inductor.llama_support import fp8_kept, keep_sensitive, product_costs
 
     costs = product_costs(cfg)
     last = cfg.num_hidden_layers - 1

@@ -1,7 +1,7 @@
 """PyTorch eager on the GPU vs the CPU for a MiniLM-shaped encoder: the reference a TensorRT engine is compared with.
 
 The benchmark stage times eager PyTorch on the GPU beside a TensorRT engine (`reference_device`).
-This script runs that same timed call (`tasks.benchmark.reference_call`, synchronized per call) on
+This script runs that same timed call (`tasks.stages.benchmark.reference_call`, synchronized per call) on
 each device the machine has, in one run, with random weights of all-MiniLM-L6-v2's shape (speed
 does not depend on the values). Usage: python benchmarks/gpu_reference.py [--batch 8] [--seq 128]
 """
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers import BertConfig, BertModel
 
-from tasks.benchmark import LatencySamples, reference_call, time_call_ms
+from tasks.stages.benchmark import LatencySamples, reference_call, time_call_ms
 
 CPU_REPEATS = 10  # eager CPU is two orders of magnitude slower than the GPU; 10 calls keep the run short
 

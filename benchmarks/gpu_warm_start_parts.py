@@ -75,9 +75,9 @@ def sync() -> None:
 
 def child(args: argparse.Namespace) -> None:
     t = time.perf_counter()
-    from tasks.backends import graph_weights, inductor, kernel_bundle, precompiled
-    from tasks.backends.inductor import InductorBackend
-    from tasks.spec import InductorTarget
+    from tasks.backends.inductor import backend as inductor, graph_weights, kernel_bundle, precompiled
+    from tasks.backends.inductor.backend import InductorBackend
+    from tasks.config.spec import InductorTarget
     imports = time.perf_counter() - t
     timers = Timers()
     timers.wrap(torch.compiler, "load_cache_artifacts", "load_cache_artifacts")
@@ -133,7 +133,7 @@ def child(args: argparse.Namespace) -> None:
     out["precompile_problems"] = runner.precompile_problems
     out["precompiled_used"] = {"prefill": runner._prefill is None,
                                "decode": sorted(str(p.name) for p in runner._pre_decode_used)}
-    from tasks import gpu_measure as gm
+    from tasks.measure import gpu_measure as gm
 
     out["prefill_ms"] = gm.summary(gm.cuda_times_ms(lambda: runner.prefill(ids, mask), 3, 30))
     for batch, (session, tokens) in sessions.items():
@@ -147,9 +147,9 @@ def build(args: argparse.Namespace, work: Path) -> tuple[Path, dict[str, Any], d
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from benchmarks.gpu_pipeline import LLAMA_32_1B
-    from tasks.backends.inductor import InductorBackend
-    from tasks.gpu import detect_gpu
-    from tasks.spec import InductorTarget, ProfileSpec
+    from tasks.backends.inductor.backend import InductorBackend
+    from tasks.runtime.gpu import detect_gpu
+    from tasks.config.spec import InductorTarget, ProfileSpec
 
     config = {**LLAMA_32_1B, "num_hidden_layers": args.layers}
     cfg = LlamaConfig(**config)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = ("import re, sys, time\n"
-         "import tasks.spec\n"
+         "import tasks.config.spec\n"
          "from flows.cli import main\n"
          "started = time.perf_counter()\n"
          "code = main(sys.argv[1:])\n"

@@ -6,7 +6,7 @@ TensorRT-style S8 Q/DQ graph (model.onnx of the int8 precision stage), the CPU i
 (model.cpu.onnx, dynamic and qdq-u8s8; dynamic also with the 7-bit weights smelter writes for a CPU without
 VNNI, whose int8 products saturate) and dynamic int8 of the transformer-optimized graph with and
 without per-channel weights: median latency, speed vs eager with its 95% interval (paired rounds,
-tasks.stats.paired_ratio), and mean/min cosine of the mean-pooled sentence embeddings vs PyTorch FP32
+tasks.measure.stats.paired_ratio), and mean/min cosine of the mean-pooled sentence embeddings vs PyTorch FP32
 on held-out real text. Engines are timed round-robin so a noisy shared machine slows them all alike.
 
     python benchmarks/int8_cpu_formats.py --exclude-nodes '*[0-9]/output/dense/MatMul'
@@ -29,16 +29,16 @@ import onnxruntime as ort
 import torch
 import yaml
 
-from tasks import spec as spec_module
-from tasks.accuracy import cosine, mean_pool
-from tasks.export import run_export
-from tasks.inputs import encoder_feeds, read_texts, reference_outputs
-from tasks.models import ModelSource, load_reference, load_tokenizer
-from tasks.backends.onnxruntime import RUNTIME_CONFIG, cpu_isa
-from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, PrecisionConfig, precision_work, run_precision
-from tasks.stage import run_stage
-from tasks.stats import paired_ratio
-from tasks.store import ArtifactStore
+from tasks.backends.onnxruntime.backend import RUNTIME_CONFIG, cpu_isa
+from tasks.config import spec as spec_module
+from tasks.measure.stats import paired_ratio
+from tasks.runtime.stage_runner import run_stage
+from tasks.runtime.store import ArtifactStore
+from tasks.stages.accuracy import cosine, mean_pool
+from tasks.stages.export import run_export
+from tasks.stages.inputs import encoder_feeds, read_texts, reference_outputs
+from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.precision import CPU_MODEL_FILE, MODEL_FILE, PrecisionConfig, precision_work, run_precision
 
 REPO = Path(__file__).resolve().parents[1]
 

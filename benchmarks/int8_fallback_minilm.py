@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from tasks.accuracy import cosine, mean_pool
-from tasks.export import run_export
-from tasks.inputs import encoder_feeds, read_texts
-from tasks.models import ModelSource, load_tokenizer
-from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, run_precision
-from tasks.spec import AccuracyFallbackSpec, load
-from tasks.store import ArtifactStore
+from tasks.config.spec import AccuracyFallbackSpec, load
+from tasks.runtime.store import ArtifactStore
+from tasks.stages.accuracy import cosine, mean_pool
+from tasks.stages.export import run_export
+from tasks.stages.inputs import encoder_feeds, read_texts
+from tasks.stages.models import ModelSource, load_tokenizer
+from tasks.stages.precision import CPU_MODEL_FILE, MODEL_FILE, run_precision
 
 
 def eval_cosines(spec, exported, graphs: dict[str, Path]) -> dict[str, dict[str, float]]:

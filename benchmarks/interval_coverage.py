@@ -1,6 +1,6 @@
 """Does the 95% interval of a speed ratio cover the true ratio at every number of rounds where the rule can stop?
 
-Seeded simulation of the measuring loop itself (tasks/measure.py's slot order, tasks/stats.py's
+Seeded simulation of the measuring loop itself (tasks/measure/rounds.py's slot order, tasks/measure/stats.py's
 interval), slot by slot: each engine has a true per-call time; every slot's time is that times the
 machine's speed at that instant (a slow random walk plus a periodic swing: drift, shared by both
 engines), the engine's own persistent state (an AR(1) per engine: correlated rounds), a carry-over
@@ -9,7 +9,7 @@ penalty for the slot that runs right after the other engine (order effect), heav
 
 Two figures per scenario: coverage at a fixed number of rounds n (from MIN_ROUNDS, the fewest rounds
 with a 95% interval, up to 60), and coverage where the sequential rule really stops (the first n
-from min_rounds at which the interval is within ±precision, else the last, through tasks/measure.py's
+from min_rounds at which the interval is within ±precision, else the last, through tasks/measure/rounds.py's
 own Rounds, which widen at least as much as any look over the last half of the rounds). The bar: ≥ 93%.
 
     .venv/bin/python benchmarks/interval_coverage.py            # ~1 min
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tasks.measure import Rounds, slot_orders
-from tasks.stats import MIN_ROUNDS, Ratio, paired_ratio
+from tasks.measure.rounds import Rounds, slot_orders
+from tasks.measure.stats import MIN_ROUNDS, Ratio, paired_ratio
 
 TRUE_RATIO = 1.25  # engine b is 1.25x as fast as engine a
 SIZES = (2, 3, 4, 5, MIN_ROUNDS, 7, 8, 10, 12, 15, 20, 30, 45, 60)
@@ -84,7 +84,7 @@ def simulate(rng: np.random.Generator, scenario: Scenario, rounds: int) -> tuple
 
 
 def stop(a: np.ndarray, b: np.ndarray, min_rounds: int, precision: float) -> tuple[int, Ratio]:
-    """Where tasks/measure.py's rule stops on these rounds, and the ratio it reports there: a look after every
+    """Where tasks/measure/rounds.py's rule stops on these rounds, and the ratio it reports there: a look after every
     round from the floor on (Rounds.look records each look's widening), the first conclusive one stops."""
     rounds = Rounds(["a", "b"], {"a": 1, "b": 1}, {"a": [], "b": []}, pairs=[("a", "b")])
     for n in range(1, a.size + 1):

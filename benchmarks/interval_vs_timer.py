@@ -3,8 +3,8 @@
 Three engine pairs of a small BERT made here (random weights, 4 layers x 256 wide), as ONNX Runtime
 sessions: fp32 vs dynamic int8, fp32 vs fp32 with graph optimisations off, int8 vs fp32 at batch 1.
 Each repeat times a pair both ways over the same seconds:
-- the stage's way: tasks/measure.py rounds (slot order, untimed round and calls, rounds spanning at least
-  `--min-seconds`, early stop at ±precision) and the tasks/stats.py ratio with its 95% interval;
+- the stage's way: tasks/measure/rounds.py rounds (slot order, untimed round and calls, rounds spanning at least
+  `--min-seconds`, early stop at ±precision) and the tasks/measure/stats.py ratio with its 95% interval;
 - independently: a plain timeit loop of its own (blocks of ~25 ms of calls after two untimed ones, the
   engines' blocks alternating ABBA; per block the median call, or with `--statistic mean` the mean one),
   the Hodges-Lehmann estimate of the block-pair log ratios (the stage's estimand: the median of their Walsh
@@ -44,8 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks import measure
-from tasks.spec import BenchmarkSpec
+from tasks.config.spec import BenchmarkSpec
+from tasks.measure import rounds as measure
 
 BLOCK_MS = 25.0  # the independent timer's block, like a slot
 
@@ -104,7 +104,7 @@ def moving_blocks(n: int, rng: np.random.Generator, resamples: int = 2000) -> np
 
 
 def pseudo_median(values: np.ndarray) -> float:
-    """The Hodges-Lehmann estimate: the median of the Walsh averages, written here, not taken from tasks/stats.py."""
+    """The Hodges-Lehmann estimate: the median of the Walsh averages, written here, not taken from tasks/measure/stats.py."""
     i, j = np.triu_indices(values.size)
     return float(np.median((values[i] + values[j]) / 2))
 
@@ -167,7 +167,7 @@ class BlockTimer:
 
 def both_ways(calls: dict[str, Callable[[], object]], args: argparse.Namespace) -> tuple[measure.Rounds, BlockTimer]:
     """The stage's rounds and the independent timer's blocks over the same seconds (interleaved: `--pairs-per-round`
-    block pairs after each of the stage's rounds, through tasks.measure.round_observer), or one after the other
+    block pairs after each of the stage's rounds, through tasks.measure.rounds.round_observer), or one after the other
     (`--sequential`). Interleaved, the rounds' span and budget are doubled: each method gets about the time it
     would have alone."""
     timer = BlockTimer(calls, args.block_ms, args.statistic)

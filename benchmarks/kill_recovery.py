@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tasks.killpoints import POINTS  # noqa: E402
+from tasks.runtime.killpoints import POINTS  # noqa: E402
 from tests.fixtures.models import MINILM_TOKENIZER_FILES, write_pipelines  # noqa: E402
 
 STAGE_OF_POINT = {"export": "export", "calibration": "precision", "build": "build", "accuracy": "accuracy",

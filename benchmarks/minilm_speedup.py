@@ -12,11 +12,11 @@ import argparse
 import sys
 import tempfile
 
-from tasks import tracking
-from tasks.backends.onnxruntime import cpu_isa
-from tasks.benchmark import run_benchmark
-from tasks.spec import load
-from tasks.store import ArtifactStore
+from tasks.backends.onnxruntime.backend import cpu_isa
+from tasks.config.spec import load
+from tasks.registry import tracking
+from tasks.runtime.store import ArtifactStore
+from tasks.stages.benchmark import run_benchmark
 
 GOAL_SPEEDUP, GOAL_COSINE_MEAN, GOAL_COSINE_MIN = 2.0, 0.99, 0.97
 

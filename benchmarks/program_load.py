@@ -1,9 +1,9 @@
-"""torch.export.load against smelter's memoised load (tasks/backends/program_load.py), side by side.
+"""torch.export.load against smelter's memoised load (tasks/backends/inductor/program_load.py), side by side.
 
 Exports a 16-layer Llama-family prefill and decode step (the inductor engine's two graphs, weights
 as input; narrow layers, since load time grows with graph nodes, not weights), saves them, then
 loads each both ways in interleaved rounds in this process and prints medians, ranges and the
-paired ratio with its 95% interval (tasks/stats.py).
+paired ratio with its 95% interval (tasks/measure/stats.py).
 Usage: python benchmarks/program_load.py [--layers 16] [--rounds 9]
 """
 
@@ -23,9 +23,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from tasks.backends.inductor import export_decode, export_prefill  # noqa: E402
-from tasks.backends.program_load import load_program  # noqa: E402
-from tasks.stats import paired_ratio  # noqa: E402
+from tasks.backends.inductor.backend import export_decode, export_prefill  # noqa: E402
+from tasks.backends.inductor.program_load import load_program  # noqa: E402
+from tasks.measure.stats import paired_ratio  # noqa: E402
 
 
 def timed(load: Callable[[Path], object], path: Path) -> float:

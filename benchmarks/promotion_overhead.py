@@ -3,7 +3,7 @@
   bytes:        reading every byte of each engine file and hashing it (no cache: what the check and the
                 upload digest cost since rot under unchanged file stamps must be caught);
   check:        that, compared with the build manifest, + load + one run at the min point
-                (tasks/engine_check.py), on each build of a pipeline in the artifact store;
+                (tasks/stages/engine_check.py), on each build of a pipeline in the artifact store;
   file lock:    acquiring and releasing the host's promotion lock alone;
   prefect lock: the same with the Prefect global concurrency limit (a temporary Prefect server that
                 this script starts, as `smelter run` does).
@@ -21,9 +21,10 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from tasks import engine_check, locks
-from tasks.spec import load
-from tasks.store import ArtifactStore, StageResult
+from tasks.config.spec import load
+from tasks.runtime import locks
+from tasks.runtime.store import ArtifactStore, StageResult
+from tasks.stages import engine_check
 
 
 def spread(label: str, call: Callable[[], object], repeats: int) -> None:

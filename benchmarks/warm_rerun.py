@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tasks import store as store_module  # noqa: E402
-from tasks.store import HASH_CACHE, MANIFEST, ArtifactStore  # noqa: E402
+from tasks.runtime import store as store_module  # noqa: E402
+from tasks.runtime.store import HASH_CACHE, MANIFEST, ArtifactStore  # noqa: E402
 
 
 def timed_run(args: list[str], env: dict[str, str], cwd: str) -> float:

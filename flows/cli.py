@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tasks import stop_signals
+from tasks.runtime import stop_signals
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # what a shell reports for them
@@ -124,7 +124,7 @@ def _stores_beside_the_file(args: argparse.Namespace) -> None:
 
 def _load(args: argparse.Namespace, *, check_env: bool = True) -> Any:
     """The checked pipelines file; its warnings (other pipelines' problems, unchecked hub models) on stderr."""
-    from tasks.spec import SpecError, load
+    from tasks.config.spec import SpecError, load
 
     if not args.file:
         raise SpecError(["-f/--file: expected the path of a pipelines file, got ''"])
@@ -154,7 +154,7 @@ def _artifacts_problem(artifacts: str) -> str | None:
 def _check_services(*, mlflow: bool = False, prefect: bool = False) -> None:
     """The servers a command will talk to answer, and the tracking store is one MLflow can open: a dead
     server or a mistyped URI is exit 2 in a second, not a traceback after minutes of retries."""
-    from tasks.spec import SpecError
+    from tasks.config.spec import SpecError
 
     problems = []
     if prefect:
@@ -162,7 +162,7 @@ def _check_services(*, mlflow: bool = False, prefect: bool = False) -> None:
 
         problems.append(api_problem())
     if mlflow:
-        from tasks.tracking import store_problem
+        from tasks.registry.tracking import store_problem
 
         problems.append(store_problem())
     if any(problems):
@@ -195,7 +195,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     selected = _selected(specs, args)
     for note in _warnings(selected):
         print(note, file=sys.stderr)
-    from tasks.mlflow_webhooks import default_guard_warnings
+    from tasks.judge.mlflow_webhooks import default_guard_warnings
 
     for note in default_guard_warnings(specs):
         print(f"warning: {note}", file=sys.stderr)
@@ -206,7 +206,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _champions(specs: Any) -> dict[str, dict[str, Any]]:
     """Each (pipeline, target)'s champion from the registry; none when the registry cannot be read."""
-    from tasks import tracking
+    from tasks.registry import tracking
 
     try:
         return {s.name: {t.name: tracking.champion(s, t.name) for t in s.targets} for s in specs.pipelines.values()}
@@ -219,8 +219,8 @@ def _champions(specs: Any) -> dict[str, dict[str, Any]]:
 def cmd_plan(args: argparse.Namespace) -> int:
     specs = _load(args, check_env=False)
     from flows.plan import plan_rows
-    from tasks.spec import PipelinesFile
-    from tasks.store import ArtifactStore
+    from tasks.config.spec import PipelinesFile
+    from tasks.runtime.store import ArtifactStore
 
     selected = PipelinesFile(path=specs.path, pipelines={s.name: s for s in _selected(specs, args)})
     for row in plan_rows(selected, ArtifactStore(args.artifacts), _champions(selected)):
@@ -233,7 +233,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tasks.spec import select
+    from tasks.config.spec import select
 
     specs = _load(args)
     selected = select(specs, args.pipeline, args.precision, args.target)
@@ -245,7 +245,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any) -> int:
     from flows import progress
-    from tasks.spec import SpecError
+    from tasks.config.spec import SpecError
 
     pipelines = args.pipeline or sorted({c.pipeline for c in selected}, key=list(specs.pipelines).index)
     progress.set_level(progress.QUIET if args.quiet else progress.VERBOSE if args.verbose else progress.NORMAL)
@@ -335,7 +335,7 @@ def _append_and_remove(source: Path, log_path: Path) -> None:
 
 def _run_links(summaries: list[dict[str, Any]]) -> dict[str, str]:
     """Each pipeline's parent run in the MLflow UI ({pipeline: url}); none when MLflow cannot say."""
-    from tasks import tracking
+    from tasks.registry import tracking
 
     links = {}
     for summary in summaries:
@@ -350,7 +350,7 @@ def _last_lines(summaries: list[dict[str, Any]], specs: Any, links: dict[str, st
                 prefect_link: str | None = None) -> list[str]:
     """Where to look next and what to do: the parent runs in MLflow (with the command that opens them when no
     server is set), the Prefect flow run on a lasting server, then a `Next:` line for each pipeline."""
-    from tasks import tracking
+    from tasks.registry import tracking
 
     lines = [f"MLflow: {pipeline}: {url}  (summary figure under Artifacts, candidates as child runs)"
              for pipeline, url in links.items()]
@@ -440,7 +440,7 @@ def _version(summary: dict[str, Any], specs: Any) -> str:
 def _point(summary: dict[str, Any], specs: Any, short: bool = False) -> str:
     """The pipeline's gate point (`batch 8 × seq 128`, `decode step batch 4 × past 64`): where its gates, objective
     and decisions are read."""
-    from tasks.spec import point_words
+    from tasks.config.spec import point_words
 
     spec = specs.pipelines.get(summary["pipeline"])
     return point_words(spec.gate_point, short) if spec is not None else ""
@@ -493,10 +493,10 @@ def summary_table(summaries: list[dict[str, Any]], specs: Any) -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from tasks.compare import compare_versions, find_registered_model
-    from tasks.store import ArtifactStore
+    from tasks.judge.compare import compare_versions, find_registered_model
+    from tasks.runtime.store import ArtifactStore
 
-    from tasks.spec import MAX_BATCH, MAX_SEQ
+    from tasks.config.spec import MAX_BATCH, MAX_SEQ
 
     owner = find_registered_model(_load(args, check_env=False), args.registered_model)
     _check_services(mlflow=True)
@@ -527,8 +527,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    from tasks import capacity
-    from tasks.spec import SpecError, registered_model_name
+    from tasks.measure import capacity
+    from tasks.config.spec import SpecError, registered_model_name
 
     limits, where = capacity.Limits(), args.figures
     try:
@@ -551,7 +551,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                                  "text-generation-with-past)"])
             limits = capacity.limits_from_profiles(spec.profiles)
         if args.registered_model:
-            from tasks import tracking
+            from tasks.registry import tracking
 
             _check_services(mlflow=True)
             version = args.version or tracking.alias_version(args.registered_model, spec.promotion.alias)
@@ -573,7 +573,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 
 
 def cmd_notify(args: argparse.Namespace) -> int:
-    from tasks.notify import retry_pending
+    from tasks.judge.notify import retry_pending
 
     selected = _selected(_load(args), args)
     _check_services(mlflow=True, prefect=True)
@@ -587,8 +587,8 @@ def cmd_notify(args: argparse.Namespace) -> int:
 
 def cmd_webhooks(args: argparse.Namespace) -> int:
     """`smelter webhooks sync`; a URL the server refuses is one line naming the setting to change (exit 2)."""
-    from tasks.mlflow_webhooks import sync
-    from tasks.tracking import tracking_server
+    from tasks.judge.mlflow_webhooks import sync
+    from tasks.registry.tracking import tracking_server
 
     specs = _load(args)
     _check_services(mlflow=True)
@@ -658,7 +658,7 @@ def _need_a_lasting_prefect_server(file: str) -> None:
     `prefect deployment run` can reach: served or registered, nothing would ever run."""
     from prefect.settings import PREFECT_API_URL
 
-    from tasks.spec import SpecError
+    from tasks.config.spec import SpecError
 
     if not PREFECT_API_URL.value():
         raise SpecError([f"{file}: deploy needs a lasting Prefect server (PREFECT_API_URL is not set): its scheduler "
@@ -668,7 +668,7 @@ def _need_a_lasting_prefect_server(file: str) -> None:
 
 def _write_whole(path: Path, text: str) -> None:
     """Write `text` to `path` at once (temp file + rename): an interrupted write leaves the old file."""
-    from tasks.whole_file import write_whole
+    from tasks.runtime.whole_file import write_whole
 
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
@@ -695,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.unraisablehook = _record_swallowed_stop
     command = None
     try:
-        from tasks.spec import SpecError
+        from tasks.config.spec import SpecError
 
         try:
             args = _parser().parse_args(argv)
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
         _bound_client_retries()
         if command not in ("validate", "plan"):
-            from tasks import scratch
+            from tasks.runtime import scratch
 
             scratch.activate()  # library temp files in a dir of this process's; a killed run's is removed
         try:
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if stop_signals.received:  # the interrupt, swallowed, left only a library's error behind
             return _stop_code(command)
-        from tasks.tracking import ServerLost
+        from tasks.registry.tracking import ServerLost
 
         if not isinstance(e, ServerLost):
             raise

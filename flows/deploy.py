@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from tasks.spec import PipelinesFile, ScheduleSpec, TargetSpec
+from tasks.config.spec import PipelinesFile, ScheduleSpec, TargetSpec
 
 CPU_POOL = "cpu"
 POOL_TYPE = "process"

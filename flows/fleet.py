@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flows.deploy import BUILD_FLOW, pool_of
-from tasks import gpu, locks
-from tasks.spec import PipelineSpec
+from tasks.config.spec import PipelineSpec
+from tasks.runtime import gpu, locks
 
 POLL_S = 2.0
 GPU_SLOT_RETRY_S = 5.0

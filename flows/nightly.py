@@ -10,9 +10,9 @@ from prefect.states import State
 
 from flows import progress
 from flows.pipeline import flow_end, flow_summaries, pipeline_flow
-from tasks import notify
+from tasks.config.spec import PipelineSpec, load
+from tasks.judge import notify
 from tasks.outcome import CandidateOutcome, tally
-from tasks.spec import PipelineSpec, load
 
 
 @task(name="retry-pending-webhooks", task_run_name="retry-pending-webhooks", cache_policy=NO_CACHE,

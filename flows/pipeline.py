@@ -27,15 +27,19 @@ from prefect.states import Completed, Failed, State
 
 from flows import events, fleet, prefect_outcome, progress
 from flows.stages import run_step
-from tasks import (benchmark, decide, engine_check, gates, graph, notify, promote, scratch, summary_figure,
-                   tracking, triton)
-from tasks.accuracy import measured_on
-from tasks.champion import champion_build
-from tasks.error_text import described
+from tasks import graph
+from tasks.backends.tensorrt import triton_repository
+from tasks.config.spec import Candidate, PipelineSpec, PipelinesFile, load, point_words
+from tasks.judge import decide, gates, notify, promote, summary_figure
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion, pending_events, tally
-from tasks.spec import Candidate, PipelineSpec, PipelinesFile, load, point_words
-from tasks.store import TOOL_CACHES, ArtifactStore, StageResult
+from tasks.registry import tracking
+from tasks.runtime import scratch
+from tasks.runtime.error_text import described
+from tasks.runtime.store import TOOL_CACHES, ArtifactStore, StageResult
+from tasks.stages import benchmark, engine_check
+from tasks.stages.accuracy import measured_on
+from tasks.stages.champion import champion_build
 
 
 class _StageFailed(Exception):
@@ -215,7 +219,7 @@ def package_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> int:
     """Triton model-repository entries for promoted TensorRT engines, logged to their runs."""
     with tempfile.TemporaryDirectory(prefix="smelter-triton-") as tmp:
         outcomes = [_with_engine_here(o, Path(tmp) / "engines") for o in outcomes]
-        packages = triton.package_promoted(spec, outcomes, Path(tmp) / "repository")
+        packages = triton_repository.package_promoted(spec, outcomes, Path(tmp) / "repository")
         for run_id, model_dir in packages.items():
             tracking.log_directory(run_id, model_dir, f"triton/{model_dir.name}")
     return len(packages)
@@ -224,7 +228,7 @@ def package_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> int:
 def _with_engine_here(outcome: CandidateOutcome, engines: Path) -> CandidateOutcome:
     """A promoted TensorRT candidate built on another host, with its engine downloaded from its run."""
     build = outcome.stages.get("build")
-    remote_engine = build is not None and triton.serves(build.outputs) and not build.path.is_dir()
+    remote_engine = build is not None and triton_repository.serves(build.outputs) and not build.path.is_dir()
     if outcome.status != "promoted" or not remote_engine:
         return outcome
     here = tracking.engine_dir(outcome, engines / outcome.run_id)

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from tasks import graph
+from tasks.config.spec import PipelineSpec, PipelinesFile
 from tasks.outcome import Champion
-from tasks.spec import PipelineSpec, PipelinesFile
-from tasks.store import ArtifactStore, StageResult
+from tasks.runtime.store import ArtifactStore, StageResult
 
 
 def _row(step: graph.Step, state: str, key: str | None, note: str = "") -> dict[str, Any]:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from tasks.server_health import unanswered
+from tasks.runtime.server_health import unanswered
 
 PR_SET_PDEATHSIG = 1
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
@@ -89,7 +89,7 @@ def api_problem() -> str | None:
     then fail with a traceback from deep inside the flow engine."""
     from prefect.settings import PREFECT_API_URL
 
-    from tasks.redact import redacted_url
+    from tasks.runtime.redact import redacted_url
 
     url = PREFECT_API_URL.value()
     why = unanswered(url) if url else None
@@ -104,7 +104,7 @@ def api_lost() -> str | None:
     Asked after a failure, so a dead server is named once instead of each call's retries and traceback."""
     from prefect.settings import PREFECT_API_URL
 
-    from tasks.redact import redacted_url
+    from tasks.runtime.redact import redacted_url
 
     if (line := temporary_server_lost()) is not None:
         return line
@@ -148,7 +148,7 @@ class StartedServer:
     def __init__(self, timeout_s: float):
         from prefect.settings import PREFECT_HOME
 
-        from tasks.locks import file_lock
+        from tasks.runtime.locks import file_lock
 
         self._log = tempfile.TemporaryFile()  # the server's stderr, read only when it fails to start
         self._start_lock = contextlib.ExitStack()
@@ -185,7 +185,7 @@ class StartedServer:
         from prefect.settings import (PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_HOME,
                                       temporary_settings)
 
-        from tasks.locks import temporary_server
+        from tasks.runtime.locks import temporary_server
 
         self._waiter.join()
         if self._failure is not None:

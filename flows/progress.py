@@ -25,8 +25,9 @@ from typing import TextIO
 
 from rich.console import Console
 
-from tasks import measure, stop_signals
-from tasks.stats import MIN_ROUNDS
+from tasks.measure import rounds as measure
+from tasks.measure.stats import MIN_ROUNDS
+from tasks.runtime import stop_signals
 
 QUIET, NORMAL, VERBOSE = 0, 1, 2
 _level = NORMAL
@@ -178,7 +179,7 @@ WIDTH_EVERY_S = 1.0  # an interval over every pair costs a few ms: recompute it 
 
 
 def benchmark_round(rounds: measure.Rounds, precision: float) -> None:
-    """Called by tasks/measure.py after every round: on a TTY, the running benchmark's round count and its
+    """Called by tasks/measure/rounds.py after every round: on a TTY, the running benchmark's round count and its
     widest interval against the target. Costs nothing when no live line is shown."""
     running = [key for key in _started if key[1] == "benchmark"]
     if not running or not _live.wanted():
@@ -231,7 +232,7 @@ def stop_if_a_server_was_lost(error: BaseException | None = None) -> None:
     call would wait out its client's retries to fail the same way; end the run now with the one line that
     says which (`ServerLost`). Costs a health request to each server, only when something failed."""
     from flows.prefect_server import api_lost
-    from tasks import tracking
+    from tasks.registry import tracking
 
     if isinstance(error, tracking.ServerLost):
         raise error

@@ -18,10 +18,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from flows import progress
-from tasks import locks
 from tasks.graph import Step, call_work
-from tasks.stage import run_stage, shared_key_lock
-from tasks.store import ArtifactStore, StageResult
+from tasks.runtime import locks
+from tasks.runtime.stage_runner import run_stage, shared_key_lock
+from tasks.runtime.store import ArtifactStore, StageResult
 
 locks.report_waits_to(progress.message)  # a waiter's notices reach the terminal and the run log
 
@@ -31,7 +31,7 @@ def limit_name(key_name: str) -> str:
 
 
 def global_key_lock(key_name: str) -> contextlib.AbstractContextManager[None]:
-    """One holder at a time for this key across every run talking to this Prefect API (tasks/locks.py
+    """One holder at a time for this key across every run talking to this Prefect API (tasks/runtime/locks.py
     says how a dead holder's slot is taken over)."""
     return locks.held_slot(limit_name(key_name), key_name)
 

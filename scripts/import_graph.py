@@ -20,8 +20,8 @@ from pathlib import Path
 PACKAGES = ("tasks", "flows")
 UPWARD = (("tasks", "flows"),)  # (importer, imported): a module of the first may not import the second
 ONLY_FROM = {"mlflow": "tasks.registry"}  # a library only this package may import: the rest goes through it
-BUDGETS = {"tasks/spec.py": 500, "tasks/config/schema.py": 500,  # lines
-           "tasks/tracking.py": 100,  # re-exports only: the work is in tasks/registry/
+BUDGETS = {"tasks/config/spec.py": 500, "tasks/config/schema.py": 500,  # lines
+           "tasks/registry/tracking.py": 100,  # re-exports only: the work is in tasks/registry/
            **{f"tasks/registry/{name}.py": 500 for name in ("__init__", "client", "runs", "versions", "uploads",
                                                            "card", "candidates", "webhooks")}}
 

@@ -19,13 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tasks import accuracy, benchmark, build, export, precision, validate
 from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.table import BACKENDS
+from tasks.config.spec import Candidate, PipelineSpec
 from tasks.outcome import Champion
-from tasks.spec import Candidate, PipelineSpec
-from tasks.stage import Work
-from tasks.store import ArtifactStore, StageResult
+from tasks.runtime.stage_runner import Work
+from tasks.runtime.store import ArtifactStore, StageResult
+from tasks.stages import accuracy, benchmark, build, export, precision, validate
 
 Ref = tuple[str, str]
 """(stage, node): one stage output of a run, e.g. ("precision", "minilm/int8")."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.store import StageResult
+from tasks.runtime.store import StageResult
 
 RATIOS = ("speedup_vs_reference", "vs_champion")
 GATE_POINT_METRICS = ("p50_ms", "p90_ms", "p99_ms", "throughput", *RATIOS)

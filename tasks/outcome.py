@@ -7,9 +7,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tasks.config.spec import Candidate
 from tasks.metrics import RATIOS
-from tasks.spec import Candidate
-from tasks.store import StageResult
+from tasks.runtime.store import StageResult
 
 # pending: judged on numbers taken on a busy machine; neither rejected nor registered, the next quiet run decides
 Status = Literal["promoted", "passed", "pending", "rejected", "failed"]
@@ -34,8 +34,8 @@ class Champion:
     run_id: str
     build_key: str | None
     precision: str | None
-    engine_identity: str | None = None  # its engine files' sha256 (tasks/champion.py `same_engine`); None: older ones
-    model_source: str | None = None  # the model files its engine was built from (tasks/champion.py `built_from`)
+    engine_identity: str | None = None  # its engine files' sha256 (tasks/stages/champion.py `same_engine`); None: older ones
+    model_source: str | None = None  # the model files its engine was built from (tasks/stages/champion.py `built_from`)
 
     @property
     def label(self) -> str:

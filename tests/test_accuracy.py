@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 from onnx import numpy_helper
 
-from tasks.accuracy import PER_SAMPLE, run_accuracy
-from tasks.build import run_build
-from tasks.export import run_export
-from tasks.spec import PipelineSpec, load
-from tasks.store import ArtifactStore, StageResult
+from tasks.config.spec import PipelineSpec, load
+from tasks.runtime.store import ArtifactStore, StageResult
+from tasks.stages.accuracy import PER_SAMPLE, run_accuracy
+from tasks.stages.build import run_build
+from tasks.stages.export import run_export
 
 
 def built_engine(spec: PipelineSpec, store: ArtifactStore,

@@ -11,8 +11,8 @@ import pytest
 from onnx.reference import ReferenceEvaluator
 
 from tasks.backends.base import BackendUnavailable, get_backend
-from tasks.backends.onnxruntime import SIDECAR, OnnxRuntimeBackend, cpu_isa
-from tasks.spec import OnnxRuntimeTarget
+from tasks.backends.onnxruntime.backend import SIDECAR, OnnxRuntimeBackend, cpu_isa
+from tasks.config.spec import OnnxRuntimeTarget
 from tests.fixtures.onnx_graphs import write_mlp
 
 CPU = OnnxRuntimeTarget(name="cpu", backend="onnxruntime", threads=1)

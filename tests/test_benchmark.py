@@ -16,17 +16,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tasks import hostload
 from tasks.backends.base import BackendUnavailable
-from tasks.benchmark import PLOT, REFERENCE, SAMPLES, LatencySamples, for_candidate, run_benchmark
-from tasks.build import run_build
-from tasks.export import run_export
-from tasks.hostload import CONTENDED_SHARE
+from tasks.config.spec import PipelineSpec, load
+from tasks.measure import hostload
+from tasks.measure.hostload import CONTENDED_SHARE
+from tasks.measure.stats import MIN_ROUNDS, looked_ratio
 from tasks.metrics import stage_metrics
 from tasks.outcome import Champion
-from tasks.spec import PipelineSpec, load
-from tasks.store import ArtifactStore, StageResult
-from tasks.stats import MIN_ROUNDS, looked_ratio
+from tasks.runtime.store import ArtifactStore, StageResult
+from tasks.stages.benchmark import PLOT, REFERENCE, SAMPLES, LatencySamples, for_candidate, run_benchmark
+from tasks.stages.build import run_build
+from tasks.stages.export import run_export
 
 TARGETS = [{"name": "cpu", "backend": "onnxruntime", "threads": 1},
            {"name": "cpu-basic", "backend": "onnxruntime", "threads": 1, "optimization_level": 1}]
@@ -263,7 +263,7 @@ def test_a_measurement_published_under_contention_is_taken_again_and_kept_saying
 
 def test_a_less_contended_measurement_replaces_a_busier_published_one() -> None:
     """A re-measurement at 34% of the CPU used by others is kept over one taken at 75%; one at 80% is not."""
-    from tasks.benchmark import _busier_than
+    from tasks.stages.benchmark import _busier_than
 
     published = StageResult("tiny", "benchmark", "k", Path("."),
                             {"outputs": {"host": {"contended": True, "foreign_cpu_share": 0.75}}})

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from tasks.backends.base import get_backend
-from tasks.build import BuildConfig, BuildUnavailable, build_key, open_engine, run_build, torch_upstream
-from tasks.calibration_feeds import CalibrationSource, prompt_batches
-from tasks.spec import PipelineSpec, TargetSpec, load
-from tasks.store import ArtifactStore, StageResult
+from tasks.config.spec import PipelineSpec, TargetSpec, load
+from tasks.runtime.store import ArtifactStore, StageResult
+from tasks.stages.build import BuildConfig, BuildUnavailable, build_key, open_engine, run_build, torch_upstream
+from tasks.stages.calibration_feeds import CalibrationSource, prompt_batches
 from tests.fixtures.models import write_pipelines
 from tests.fixtures.onnx_graphs import write_mlp
 

@@ -11,13 +11,14 @@ import mlflow
 import pytest
 
 from flows.cli import _parser, main
-from tasks import capacity, tracking
-from tasks.capacity import DecodePoint, Figures, FiguresError, Limits, PrefillPoint, Workload
+from tasks.config.spec import Candidate, PipelineSpec
+from tasks.measure import capacity
+from tasks.measure.capacity import DecodePoint, Figures, FiguresError, Limits, PrefillPoint, Workload
 from tasks.metrics import stage_metrics
 from tasks.outcome import CandidateOutcome, GateResult
+from tasks.registry import tracking
 from tasks.registry.card import engine_card
-from tasks.spec import Candidate, PipelineSpec
-from tasks.store import StageResult
+from tasks.runtime.store import StageResult
 from tests.fixtures.models import write_pipelines
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tasks.benchmark import for_candidate, run_benchmark
-from tasks.build import run_build
-from tasks.champion import CHAMPIONS_DIR, champion_build, same_engine
-from tasks.export import run_export
+from tasks.config.spec import PipelineSpec, load
 from tasks.outcome import Champion
-from tasks.spec import PipelineSpec, load
-from tasks.store import ArtifactStore, StageResult
-from tasks.tracking import engine_identity
+from tasks.registry.tracking import engine_identity
+from tasks.runtime.store import ArtifactStore, StageResult
+from tasks.stages.benchmark import for_candidate, run_benchmark
+from tasks.stages.build import run_build
+from tasks.stages.champion import CHAMPIONS_DIR, champion_build, same_engine
+from tasks.stages.export import run_export
 
 TARGETS = [{"name": "cpu", "backend": "onnxruntime", "threads": 1},
            {"name": "cpu-basic", "backend": "onnxruntime", "threads": 1, "optimization_level": 1}]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.compare import compared_point
-from tasks.spec import PipelineSpec
+from tasks.config.spec import PipelineSpec
+from tasks.judge.compare import compared_point
 
 
 def decoder(task: str, **performance: Any) -> PipelineSpec:

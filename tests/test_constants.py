@@ -1,4 +1,4 @@
-"""One definition per constant: a bound or setting written in two modules drifts apart (measure.py stopped at
+"""One definition per constant: a bound or setting written in two modules drifts apart (tasks/measure/rounds.py stopped at
 2000 rounds while the schema let min_rounds go to 10,000, so the rounds it claimed were never measured).
 
 Read from the source with ast: module-level UPPER_CASE names assigned in tasks/ and flows/.
@@ -69,6 +69,6 @@ def test_the_check_finds_a_bound_written_twice(tmp_path: Path) -> None:
     (tmp_path / "tasks").mkdir()
     (tmp_path / "flows").mkdir()
     (tmp_path / "tasks" / "bounds.py").write_text("MAX_ROUNDS = 10_000\nNAME: str = 'x'\n")
-    (tmp_path / "tasks" / "measure.py").write_text("import bounds\nMAX_ROUNDS = 2000\nKEPT = bounds.NAME\n")
-    assert definitions(tmp_path) == {"MAX_ROUNDS": {"tasks/bounds.py": "10000", "tasks/measure.py": "2000"},
+    (tmp_path / "tasks" / "measure" / "rounds.py").write_text("import bounds\nMAX_ROUNDS = 2000\nKEPT = bounds.NAME\n")
+    assert definitions(tmp_path) == {"MAX_ROUNDS": {"tasks/bounds.py": "10000", "tasks/measure/rounds.py": "2000"},
                                      "NAME": {"tasks/bounds.py": "'x'"}}

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from tasks.decide import decide
+from tasks.config.spec import Candidate, PipelineSpec
+from tasks.judge.decide import decide
 from tasks.outcome import CandidateOutcome, Champion, GateResult
-from tasks.spec import Candidate, PipelineSpec
-from tasks.store import StageResult
+from tasks.runtime.store import StageResult
 
 SPEC = PipelineSpec.model_validate({
     "name": "enc", "model": {"id": "org/enc", "task": "feature-extraction"},
@@ -204,8 +204,8 @@ def test_the_best_sibling_is_the_one_compared_with_the_champion() -> None:
 
 def busy(outcome: CandidateOutcome, share: float = 0.68) -> CandidateOutcome:
     """The candidate's target measurement was taken while other processes used `share` of the CPU; its gates as
-    tasks/gates.py judges them then (timing inconclusive, accuracy as measured)."""
-    from tasks.gates import performance_gate
+    tasks/judge/gates.py judges them then (timing inconclusive, accuracy as measured)."""
+    from tasks.judge.gates import performance_gate
 
     benchmark = outcome.stages["benchmark"]
     outputs = benchmark.outputs | {"host": {"foreign_cpu_share": share, "contended": True}}
@@ -238,17 +238,17 @@ def test_a_champion_candidate_whose_engine_mismatches_this_machine_gives_way(bac
 
 def _mismatch(backend: str) -> Exception:
     if backend == "tensorrt":
-        from tasks.backends.trt_plan import EngineMismatch
+        from tasks.backends.tensorrt.plan import EngineMismatch
     else:
-        from tasks.backends.inductor import EngineMismatch
+        from tasks.backends.inductor.backend import EngineMismatch
     return EngineMismatch(f"{backend} engine was built for another machine")
 
 
 @pytest.mark.parametrize("backend", ["tensorrt", "inductor"])
 def test_a_champion_engine_that_cannot_load_for_an_engine_mismatch_is_unavailable_for_good(backend: str) -> None:
-    """What the benchmark records when the champion's engine does not load (tasks/benchmark.py): any backend's
+    """What the benchmark records when the champion's engine does not load (tasks/stages/benchmark.py): any backend's
     EngineMismatch is permanent, so the alias may leave it; a registry that does not answer is not."""
-    from tasks.champion import ChampionUnavailable, cannot_run_here
+    from tasks.stages.champion import ChampionUnavailable, cannot_run_here
 
     error = _mismatch(backend)
     gone = measured(None, unavailable=f"{type(error).__name__}: {error}", permanent=cannot_run_here(error))
@@ -264,8 +264,8 @@ def test_a_nan_in_one_sample_fails_the_accuracy_gate_and_names_the_sample() -> N
     """A mean over samples that skips a NaN would pass; the gate sees it and says which sample."""
     import pandas as pd
 
-    from tasks.accuracy import _aggregate, nonfinite_samples
-    from tasks.gates import evaluate
+    from tasks.stages.accuracy import _aggregate, nonfinite_samples
+    from tasks.judge.gates import evaluate
 
     table = pd.DataFrame({"sample": [0, 1, 2, 3], "cosine": [0.999, 0.998, float("nan"), 0.999],
                           "max_abs_error": [1e-3, 2e-3, float("nan"), 1e-3]})
@@ -281,7 +281,7 @@ def test_a_nan_in_one_sample_fails_the_accuracy_gate_and_names_the_sample() -> N
 
 
 def _min(value: float) -> Any:
-    from tasks.spec import Threshold
+    from tasks.config.spec import Threshold
 
     return Threshold(min=value)
 
@@ -343,7 +343,7 @@ def with_bytes(outcome: CandidateOutcome, sha256: str) -> CandidateOutcome:
 
 
 def champion_of(sha256: str) -> Champion:
-    from tasks.tracking import engine_identity
+    from tasks.registry.tracking import engine_identity
 
     digest = engine_identity(with_bytes(candidate("fp32"), sha256).stages["build"])
     return Champion("enc-cpu", "3", "run-3", "key-fp32", "fp32", engine_identity=digest)
@@ -365,7 +365,7 @@ def test_a_rebuild_with_the_champions_build_key_but_other_bytes_is_a_challenger_
 
 
 def test_a_decision_records_the_champion_it_saw_and_the_alias_moved_while_measuring_moves_nothing() -> None:
-    """Promotion moves the alias only from `Decision.champion` (compare-and-set, tasks/promote.py); and when the
+    """Promotion moves the alias only from `Decision.champion` (compare-and-set, tasks/judge/promote.py); and when the
     benchmark timed another version than the run's champion, the comparison is with the wrong engine."""
     int8 = candidate("int8", vs_champion=(1.4, 1.3, 1.5), champion=measured("champion v3"))
     run(int8)

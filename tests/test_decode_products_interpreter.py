@@ -41,7 +41,7 @@ def powers_of_two(n: int, low: int, high: int, generator: torch.Generator) -> to
 def test_rows_with_a_power_of_two_scale_quantise_exactly(k: int) -> None:
     """A row whose largest magnitude is 448·2^j has scale 2^j, and each of its values, an e4m3
     value times 2^j, comes out as that e4m3 value (k 300: the row's tail masked)."""
-    from tasks.backends import decode_products as dp
+    from tasks.backends.inductor import decode_products as dp
 
     g = torch.Generator().manual_seed(0)
     rows = 17
@@ -58,7 +58,7 @@ def test_rows_with_a_power_of_two_scale_quantise_exactly(k: int) -> None:
 def test_the_fused_input_rounds_as_the_input_kernels_do(mode: str) -> None:
     """quantize_input's silu(gate) * up and rms_norm equal prepared_input's, bit for bit, once both
     are quantised (the same conversion rounds both)."""
-    from tasks.backends import decode_products as dp
+    from tasks.backends.inductor import decode_products as dp
 
     torch.manual_seed(0)
     rows, k = 24, 304
@@ -77,7 +77,7 @@ def test_the_fp8_rows_kernel_is_exact_on_exact_values(rows: int, n: int, k: int)
     and the residual in fp32: small integers, powers of two as scales and a residual of sixteenths
     round nothing (sums under 2^13, even in the H200's fp8 accumulation), so it equals the exact
     product (odd n and k: the masks)."""
-    from tasks.backends import decode_products as dp
+    from tasks.backends.inductor import decode_products as dp
 
     g = torch.Generator().manual_seed(1)
     x, w = ints(rows, k, top=4, generator=g), ints(n, k, top=4, generator=g)
@@ -98,7 +98,7 @@ def test_e4m3_weights_meet_e4m3_rows_in_the_rows_kernel_then_in_cublas(
     makes, within the output's bf16 rounding, and near the reference (the activations rounded to
     e4m3: 0.06) where the rounding to e4m3 is exact, not in the interpreter (about 0.065 there,
     0.027 rounded exactly)."""
-    from tasks.backends import decode_products as dp
+    from tasks.backends.inductor import decode_products as dp
 
     calls: list[int] = []
     product = dp.quantized_rows_product

@@ -19,7 +19,7 @@ import yaml
 
 from flows import deploy
 from flows.worker_steps import ProjectNotFound, enter_project
-from tasks.spec import load
+from tasks.config.spec import load
 from tests.fixtures.fleet import cli, project_env
 from tests.fixtures.models import write_pipelines
 
@@ -219,7 +219,7 @@ def _readme_commands(path: Path, program: str) -> list[list[str]]:
 
 def test_docker_readme_smelter_commands_parse_and_select_candidates(monkeypatch):
     from flows.cli import _parser
-    from tasks.spec import select
+    from tasks.config.spec import select
 
     monkeypatch.chdir(REPO)
     commands = _readme_commands(REPO / "docker" / "README.md", "smelter")

@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks import engine_check, store, tracking
-from tasks.decide import decide
+from tasks.config.spec import PipelineSpec
+from tasks.judge.decide import decide
+from tasks.judge.promote import promote
 from tasks.outcome import CandidateOutcome
-from tasks.promote import promote
-from tasks.spec import PipelineSpec
-from tasks.store import ArtifactStore, file_digest
+from tasks.registry import tracking
+from tasks.runtime import store
+from tasks.runtime.store import ArtifactStore, file_digest
+from tasks.stages import engine_check
 from tests.fixtures.candidates import candidate_outcome, pipeline_spec
 
 pytestmark = pytest.mark.usefixtures("mlflow_server")

@@ -6,9 +6,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from tasks import spec as spec_module
-from tasks.export import export_key, run_export
-from tasks.store import ArtifactStore
+from tasks.config import spec as spec_module
+from tasks.runtime.store import ArtifactStore
+from tasks.stages.export import export_key, run_export
 from tests.fixtures.models import write_pipelines
 
 

@@ -21,7 +21,7 @@ import yaml
 from mlflow import MlflowClient
 
 from flows.deploy import SILENT_RUNS_AUTOMATION
-from tasks.mlflow_webhooks import verify_signature
+from tasks.judge.mlflow_webhooks import verify_signature
 from tests.fixtures.fleet import RecordingReceiver, Service, cli, project_env
 from tests.fixtures.models import write_pipelines
 

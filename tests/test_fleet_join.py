@@ -12,10 +12,11 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tasks import gates, tracking
+from tasks.config.spec import SpecError, load
+from tasks.judge import gates
 from tasks.metrics import stage_metrics
-from tasks.spec import SpecError, load
-from tasks.store import ArtifactStore
+from tasks.registry import tracking
+from tasks.runtime.store import ArtifactStore
 from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
 
 
@@ -136,7 +137,7 @@ def test_one_build_per_gpu_at_a_time(prefect_server) -> None:
 
 def test_a_gpu_is_named_as_nvidia_smi_names_it_whatever_cuda_visible_devices_says() -> None:
     from flows.fleet import usable_gpus
-    from tasks.gpu import parse_smi_rows
+    from tasks.runtime.gpu import parse_smi_rows
 
     listed = parse_smi_rows("0, GPU-a100, 00000000:01:00.0, A100, 8.0, 550.1, 81920\n"
                             "1, GPU-h100, 00000000:02:00.0, H100, 9.0, 550.1, 81920\n")
@@ -184,7 +185,7 @@ def test_a_candidate_whose_run_was_not_logged_fails_at_track_with_why(tmp_path: 
     """A build whose MLflow run could not be logged (the tracking server gone at that moment) fails its candidate
     at `track` with the error, not as a build that did not happen; a target whose build never ran fails at build."""
     from flows.pipeline import _joined
-    from tasks.spec import Candidate
+    from tasks.config.spec import Candidate
 
     spec = pipeline_spec(f"untracked-{tmp_path.name[-8:]}".lower().replace("_", "-"))
     tracked, untracked = Candidate(spec.name, "fp32", "cpu"), Candidate(spec.name, "int8", "cpu")

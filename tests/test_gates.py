@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from tasks.gates import evaluate
+from tasks.config.spec import PipelineSpec
+from tasks.judge.gates import evaluate
 from tasks.metrics import stage_metrics
-from tasks.spec import PipelineSpec
-from tasks.store import StageResult
+from tasks.runtime.store import StageResult
 
 
 def spec(**overrides: Any) -> PipelineSpec:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.gpu import GpuInfo, apply_visible, cuda_order, parse_smi_rows
+from tasks.runtime.gpu import GpuInfo, apply_visible, cuda_order, parse_smi_rows
 
 # nvidia-smi lists in PCI bus order: an A100 first, an H200 second.
 SMI = ("0, GPU-aaaa1111, 00000000:17:00.0, NVIDIA A100-SXM4-80GB, 8.0, 580.159.04, 81920\n"

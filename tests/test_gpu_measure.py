@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import BertConfig, LlamaConfig
 
-from tasks import gpu_measure as gm
+from tasks.measure import gpu_measure as gm
 
 LLAMA_32_1B = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                           num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tasks.backends import graph_weights
+from tasks.backends.inductor import graph_weights
 
 
 def test_shared_and_tied_tensors_are_stored_once_and_a_differing_one_beside_them(tmp_path: Path) -> None:

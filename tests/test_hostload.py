@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tasks.hostload import LoadWatch
+from tasks.measure.hostload import LoadWatch
 
 BUSY_CPU_S = 0.5
 

@@ -13,16 +13,16 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tasks.backends.base import BackendUnavailable, get_backend
-from tasks.backends.encoder_graphs import EncoderPrefill
-from tasks.backends.encoder_graphs import unsupported as unsupported_encoder
-from tasks.backends.inductor import (DecodeSession, EngineMismatch, InductorBackend, export_decode, export_prefill,
-                                     load_problem, prefill_graph_name, versions, warm_shapes)
-from tasks.backends.llama_graphs import (FP8_MAX, LlamaPrefill, StaticDecoder, calibrate_input_amax, empty_cache,
-                                         fp8_sensitivity)
-from tasks.backends.llama_support import fp8_unsupported, keep_sensitive, product_costs, product_names
+from tasks.backends.inductor.backend import (DecodeSession, EngineMismatch, InductorBackend, export_decode,
+                                             export_prefill, load_problem, prefill_graph_name, versions, warm_shapes)
+from tasks.backends.inductor.encoder_graphs import EncoderPrefill
+from tasks.backends.inductor.encoder_graphs import unsupported as unsupported_encoder
+from tasks.backends.inductor.llama_graphs import (FP8_MAX, LlamaPrefill, StaticDecoder, calibrate_input_amax,
+                                                  empty_cache, fp8_sensitivity)
+from tasks.backends.inductor.llama_support import fp8_unsupported, keep_sensitive, product_costs, product_names
 from tasks.backends.table import BACKENDS
-from tasks.gpu import GpuInfo
-from tasks.spec import InductorTarget, ProfileSpec
+from tasks.config.spec import InductorTarget, ProfileSpec
+from tasks.runtime.gpu import GpuInfo
 
 H200 = GpuInfo("NVIDIA H200", (9, 0), "580.159.04")
 A100 = GpuInfo("NVIDIA A100-SXM4-80GB", (8, 0), "580.159.04")
@@ -188,7 +188,7 @@ def test_encoders_the_graph_does_not_cover_export_through_the_hf_forward(bert: t
 
 
 def test_an_encoders_forward_is_replayed_with_cuda_graphs_where_cuda_graphs_says() -> None:
-    from tasks.backends.inductor import prefill_cuda_graphs
+    from tasks.backends.inductor.backend import prefill_cuda_graphs
 
     gpu = dict(name="gpu", backend="inductor", device="cuda", arch="sm90")
     assert prefill_cuda_graphs(InductorTarget(**gpu), causal=False)
@@ -375,7 +375,7 @@ def test_a_compiled_engine_stores_its_weights_once_and_reloads_on_the_cpu(llama:
     # cached and (with CUDA graphs) recorded apart
     explained = torch._dynamo.explain(runner._prefill._orig_mod)(ids, torch.ones_like(ids))
     assert explained.graph_break_count == 0, explained.break_reasons
-    # Precompiled graphs (tasks/backends/precompiled.py): the shapes the build warmed load without
+    # Precompiled graphs (tasks/backends/inductor/precompiled.py): the shapes the build warmed load without
     # reading the exported programs or tracing them
     recorded = json.loads((engine / "engine.json").read_text())["precompiled"]
     assert not recorded["failed"], recorded["failed"]
@@ -403,7 +403,7 @@ def test_a_compiled_engine_stores_its_weights_once_and_reloads_on_the_cpu(llama:
 def test_smelters_triton_kernels_travel_with_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """kernel_bundle packs the Triton cache entries of smelter's own kernels and installs those a cache
     lacks, its group file naming the installed files."""
-    from tasks.backends import kernel_bundle
+    from tasks.backends.inductor import kernel_bundle
 
     built, fresh = tmp_path / "built-cache", tmp_path / "fresh-cache"
     entry = built / "ABCDEF123"
@@ -440,7 +440,7 @@ def test_every_triton_kernel_of_the_decode_ops_travels_with_the_engine() -> None
     """A kernel left out of decode_products.KERNELS is compiled again by every fresh process that loads an engine."""
     import ast
 
-    from tasks.backends import decode_products, kernel_bundle
+    from tasks.backends.inductor import decode_products, kernel_bundle
 
     tree = ast.parse(Path(decode_products.__file__).read_text())
     jitted = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from tasks import gpu_measure
-from tasks.backends.inductor import EngineMismatch, InductorBackend
-from tasks.gpu import detect_gpu
-from tasks.spec import InductorTarget, ProfileSpec
+from tasks.backends.inductor.backend import EngineMismatch, InductorBackend
+from tasks.config.spec import InductorTarget, ProfileSpec
+from tasks.measure import gpu_measure
+from tasks.runtime.gpu import detect_gpu
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")]
@@ -199,7 +199,7 @@ def test_an_fp8_engine_keeps_its_most_sensitive_products_in_bf16(llama_dir: Path
     calibration feeds, up to that share of the products' arithmetic."""
     from transformers import AutoConfig
 
-    from tasks.backends.llama_support import product_costs
+    from tasks.backends.inductor.llama_support import product_costs
 
     target = fp8_target(fp8_exclude=["layers.0.down"], fp8_bf16_share=0.3)
     rng = np.random.default_rng(0)
@@ -227,7 +227,7 @@ def test_decode_products_compute_their_reference_on_fresh_inputs(rows: int) -> N
     FP8_ROWS_KERNEL_ROWS, cuBLAS above; e4m3 weights with per-channel scales; the input as is,
     silu(gate) * up of it, or its rms_norm; with and without a residual) against the same function
     in fp32, odd sizes included, the output poisoned first."""
-    from tasks.backends import decode_products as dp
+    from tasks.backends.inductor import decode_products as dp
 
     for n, k in ((3072, 2048), (1000, 304), (64, 8192)):
         x = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16)
@@ -259,7 +259,7 @@ def test_decode_attention_computes_its_reference_on_fresh_inputs(batch: int, max
     """smelter::decode_attention (rotary q, grouped query heads, positions split over programs at
     small batch) against the unfused attention in fp32; positions past `pos` hold NaN, so reading
     one shows."""
-    from tasks.backends import decode_products as dp
+    from tasks.backends.inductor import decode_products as dp
 
     heads, kv_heads, d = 32, 8, 64
     k = torch.randn(batch, kv_heads, max_len, d, device="cuda", dtype=torch.bfloat16)

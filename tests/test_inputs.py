@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks import spec as spec_module
-from tasks.export import run_export
-from tasks.inputs import decoder_feeds, encoder_feeds, read_texts, reference_outputs
-from tasks.models import ModelSource, load_reference, load_tokenizer
-from tasks.store import ArtifactStore
+from tasks.config import spec as spec_module
+from tasks.runtime.store import ArtifactStore
+from tasks.stages.export import run_export
+from tasks.stages.inputs import decoder_feeds, encoder_feeds, read_texts, reference_outputs
+from tasks.stages.models import ModelSource, load_reference, load_tokenizer
 from tests.fixtures.models import TEXTS, assert_decoder_step_matches_reference, write_pipelines
 
 BERT_INPUTS = ["input_ids", "attention_mask", "token_type_ids"]

@@ -19,12 +19,12 @@ import transformers
 from onnx import numpy_helper
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from tasks import spec as spec_module
-from tasks.export import run_export
-from tasks.inputs import decoder_feeds, filled_encoder_feeds
-from tasks.models import ModelSource, load_reference, load_tokenizer
-from tasks.store import ArtifactStore, StageResult
-from tasks.validate import ValidationFailed, feed_shape_problems, run_validate
+from tasks.config import spec as spec_module
+from tasks.runtime.store import ArtifactStore, StageResult
+from tasks.stages.export import run_export
+from tasks.stages.inputs import decoder_feeds, filled_encoder_feeds
+from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.validate import ValidationFailed, feed_shape_problems, run_validate
 from tests.fixtures.models import REPO, TEXTS, assert_decoder_step_matches_reference, write_pipelines
 
 SHORT_TEXTS = "Rain today.\nShe smiled.\nThe bus is late.\nCold tea.\n"

@@ -14,13 +14,13 @@ import torch
 import yaml
 from transformers import BertConfig, BertModel
 
-from tasks import spec as spec_module
-from tasks.accuracy import cosine, mean_pool
-from tasks.export import run_export
-from tasks.inputs import encoder_feeds, read_texts
-from tasks.models import ModelSource, load_tokenizer
-from tasks.precision import CPU_MODEL_FILE, MODEL_FILE, precision_key, run_precision
-from tasks.store import ArtifactStore
+from tasks.config import spec as spec_module
+from tasks.runtime.store import ArtifactStore
+from tasks.stages.accuracy import cosine, mean_pool
+from tasks.stages.export import run_export
+from tasks.stages.inputs import encoder_feeds, read_texts
+from tasks.stages.models import ModelSource, load_tokenizer
+from tasks.stages.precision import CPU_MODEL_FILE, MODEL_FILE, precision_key, run_precision
 from tests.fixtures.models import MINILM_TOKENIZER_FILES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,7 +139,7 @@ def test_a_budget_too_small_is_recorded_as_not_passing(built, outlier_bert_dir: 
 
 
 def test_a_fallback_with_no_gate_to_aim_at_is_a_located_error(outlier_bert_dir: Path, tmp_path: Path) -> None:
-    from tasks.int8_fallback import gated_metrics
+    from tasks.stages.int8_fallback import gated_metrics
 
     spec = _spec(tmp_path, outlier_bert_dir, accuracy_fallback={"max_float_share": 0.2})
     spec = spec.model_copy(update={"accuracy": spec.accuracy.model_copy(update={"gates": {}})})

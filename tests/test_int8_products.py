@@ -15,13 +15,13 @@ import yaml
 from onnx import numpy_helper
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from tasks import spec as spec_module
-from tasks.backends.onnxruntime import int8_products
-from tasks.export import run_export
-from tasks.inputs import read_texts
-from tasks.precision import CPU_MODEL_FILE, PrecisionConfig, precision_work
-from tasks.stage import run_stage
-from tasks.store import ArtifactStore
+from tasks.backends.onnxruntime.backend import int8_products
+from tasks.config import spec as spec_module
+from tasks.runtime.stage_runner import run_stage
+from tasks.runtime.store import ArtifactStore
+from tasks.stages.export import run_export
+from tasks.stages.inputs import read_texts
+from tasks.stages.precision import CPU_MODEL_FILE, PrecisionConfig, precision_work
 from tests.fixtures.int8_products import Int8Products, quantized_linears
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ __all__ = ["cli_setup_own_server"]
 # `python -c` for `smelter run` whose signal arrives inside a finalizer when the run reaches SWALLOW_AT.
 SWALLOWING_LAUNCHER = """
 import os, signal, sys
-from tasks import killpoints
+from tasks.runtime import killpoints
 
 class Finalizer:
     def __del__(self):  # the signal's exception is raised here, and Python ignores it

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.killpoints import POINTS
+from tasks.runtime.killpoints import POINTS
 from tests.fixtures.cli_runs import (MODEL, PIPELINE, REPO, CliSetup, assert_artifacts_intact, assert_registry_sound,
                                      cli_setup, cli_setup_own_server, copy_artifacts, deliveries, empty_store,
                                      held_slots, left_in_tmpdir, prefect_server_processes, run_cli, run_statuses,

@@ -28,13 +28,13 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tasks import locks
+from tasks.runtime import locks
 from tests.fixtures.fleet import REPO, project_env
 
 HOLD = """
 import contextlib, sys, time
 from pathlib import Path
-from tasks import locks
+from tasks.runtime import locks
 with locks.temporary_server(Path(sys.argv[2])) if len(sys.argv) > 2 else contextlib.nullcontext():
     with locks.held_slot(sys.argv[1], "test slot"):
         print("held", flush=True)
@@ -137,7 +137,8 @@ def test_an_unreadable_record_is_reported_with_its_path_and_frees_no_slot(api: s
 
 PROMOTE = """
 import sys
-from tasks import locks, notify, scratch
+from tasks.runtime import locks, scratch
+from tasks.judge import notify
 scratch.activate()  # as every smelter command does: $TMPDIR becomes this process's own scratch dir
 locks.SAY_AFTER_S = 0.5
 with notify.promotion_lock(sys.argv[1]):
@@ -253,8 +254,9 @@ class Link:
 BUILD = """
 import sys
 from pathlib import Path
-from tasks import locks, tracking
-from tasks.store import ArtifactStore
+from tasks.runtime import locks
+from tasks.registry import tracking
+from tasks.runtime.store import ArtifactStore
 with locks.held_slot(sys.argv[1], "build of key k"):
     print("held", flush=True)
     sys.stdin.readline()
@@ -277,7 +279,7 @@ def test_a_holder_cut_off_from_a_lasting_server_for_a_lease_stops_before_writing
     lease. The server expires the lease and gives the slot to a waiter, which builds the key. The first holder,
     back on the network, must not publish the key nor write to the registry: it finds its lease gone and stops.
     Afterwards the store holds the second holder's build alone."""
-    from tasks.store import ArtifactStore
+    from tasks.runtime.store import ArtifactStore
 
     name = f"test-{uuid.uuid4().hex[:8]}"
     port = urlsplit(api).port

@@ -14,9 +14,9 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from tasks.mlflow_webhooks import PREFIX, verify_signature, wanted
-from tasks.notify import sign
-from tasks.spec import load
+from tasks.config.spec import load
+from tasks.judge.mlflow_webhooks import PREFIX, verify_signature, wanted
+from tasks.judge.notify import sign
 from tests.fixtures.cli_runs import REPO
 from tests.fixtures.servers import _mlflow_cli, _stop, _wait_healthy, free_port
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from tasks import spec as spec_module
-from tasks.models import ModelSource, load_reference, load_tokenizer, model_source_digest
-from tasks.store import tree_digest
+from tasks.config import spec as spec_module
+from tasks.runtime.store import tree_digest
+from tasks.stages.models import ModelSource, load_reference, load_tokenizer, model_source_digest
 from tests.fixtures.models import load_llama_maker
 
 

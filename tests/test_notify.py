@@ -12,13 +12,14 @@ import pytest
 from mlflow.tracking import MlflowClient
 from pydantic import ValidationError
 
-from tasks import notify, tracking
+from tasks.config.spec import PipelineSpec, WebhookSpec
+from tasks.judge import notify
+from tasks.judge.promote import promote
 from tasks.metrics import stage_metrics
 from tasks.outcome import CandidateOutcome
-from tasks.redact import redacted_url
-from tasks.promote import promote
-from tasks.spec import PipelineSpec, WebhookSpec
-from tasks.store import ArtifactStore
+from tasks.registry import tracking
+from tasks.runtime.redact import redacted_url
+from tasks.runtime.store import ArtifactStore
 from tests.fixtures.candidates import candidate_outcome, pipeline_spec
 from tests.fixtures.judged import judged
 from tests.fixtures.servers import WebhookReceiver

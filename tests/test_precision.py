@@ -12,11 +12,12 @@ import onnxruntime as ort
 import pytest
 import yaml
 
-from tasks import spec as spec_module
-from tasks.export import run_export
-from tasks.inputs import encoder_feeds, read_texts
-from tasks.models import ModelSource, load_tokenizer
-from tasks.precision import (
+from tasks.config import spec as spec_module
+from tasks.runtime.store import ArtifactStore
+from tasks.stages.export import run_export
+from tasks.stages.inputs import encoder_feeds, read_texts
+from tasks.stages.models import ModelSource, load_tokenizer
+from tasks.stages.precision import (
     CALIBRATION_FILE,
     CPU_MODEL_FILE,
     MODEL_FILE,
@@ -25,8 +26,7 @@ from tasks.precision import (
     precision_key,
     run_precision,
 )
-from tasks.qdq_lint import lint_qdq
-from tasks.store import ArtifactStore
+from tasks.stages.qdq_lint import lint_qdq
 
 REPO = Path(__file__).resolve().parents[1]
 EXCLUDED = "*[0-9]/output/dense/MatMul"  # FFN output only: fnmatch's * also crosses "/"
@@ -270,7 +270,7 @@ def test_int8_of_a_llama_without_past_builds_on_the_most_fused_graph_that_can_be
 
 
 def test_a_bare_assert_names_where_it_was_raised_and_every_error_is_one_line():
-    from tasks.error_text import described
+    from tasks.runtime.error_text import described
 
     def shape_inference():
         raise AssertionError  # what ONNX Runtime's symbolic shape inference's bare assert raises

@@ -18,12 +18,12 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerFast
 
-from tasks import inputs
-from tasks import spec as spec_module
-from tasks.export import run_export
-from tasks.models import ModelSource, load_reference, load_tokenizer
-from tasks.spec import SpecError
-from tasks.store import ArtifactStore
+from tasks.config import spec as spec_module
+from tasks.config.spec import SpecError
+from tasks.runtime.store import ArtifactStore
+from tasks.stages import inputs
+from tasks.stages.export import run_export
+from tasks.stages.models import ModelSource, load_reference, load_tokenizer
 from tests.fixtures.models import REPO, load_llama_maker, write_pipelines
 
 SIZES = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tasks.backends.inductor import export_decode, export_prefill
-from tasks.backends.program_load import load_program, memoised_deserializer
+from tasks.backends.inductor.backend import export_decode, export_prefill
+from tasks.backends.inductor.program_load import load_program, memoised_deserializer
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_a_memoised_load_gives_the_program_a_plain_load_gives(saved_programs: tu
 
 
 def test_a_memoised_prefill_computes_the_model(saved_programs: tuple[LlamaForCausalLM, dict[str, Path]]) -> None:
-    from tasks.backends import graph_weights
+    from tasks.backends.inductor import graph_weights
 
     model, paths = saved_programs
     program = load_program(paths["prefill"])

@@ -13,7 +13,7 @@ import pytest
 
 from flows import progress
 from flows.cli import summary_table
-from tasks.spec import load
+from tasks.config.spec import load
 from tests.fixtures.fleet import project_env
 
 NOISY_RUN = textwrap.dedent("""
@@ -91,7 +91,7 @@ LIVE_BENCHMARK = textwrap.dedent("""
     import random, sys
     from pathlib import Path
     from flows import progress
-    from tasks.measure import Contender, measure_rounds
+    from tasks.measure.rounds import Contender, measure_rounds
     rng = random.Random(0)
     timer = lambda n: [1.0 + rng.random() * 0.01 for _ in range(n)]
     with progress.captured_output(Path(sys.argv[1])):

@@ -19,10 +19,11 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from tasks import notify, tracking
+from tasks.judge import notify
+from tasks.judge.promote import PromotionError, promote
 from tasks.outcome import CandidateOutcome
-from tasks.promote import PromotionError, promote
-from tasks.store import ArtifactStore, file_digest
+from tasks.registry import tracking
+from tasks.runtime.store import ArtifactStore, file_digest
 from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
 from tests.fixtures.judged import judged
 from tests.fixtures.onnx_graphs import linear_model

@@ -7,7 +7,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tasks.qdq_lint import (
+from tasks.stages.qdq_lint import (
     RULE_CONSTANT_PARAMS,
     RULE_INT8,
     RULE_NO_INT32_DEQUANTIZE,

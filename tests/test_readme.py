@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from flows.cli import _parser
-from tasks.spec import load
+from tasks.config.spec import load
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

@@ -13,12 +13,12 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks import tracking
-from tasks.accuracy import eval_data
+from tasks.config.spec import PipelineSpec
+from tasks.judge.promote import promote
 from tasks.outcome import CandidateOutcome
-from tasks.promote import promote
-from tasks.spec import PipelineSpec
-from tasks.store import ArtifactStore
+from tasks.registry import tracking
+from tasks.runtime.store import ArtifactStore
+from tasks.stages.accuracy import eval_data
 from tests.fixtures.candidates import _point, candidate_outcome, pipeline_spec
 from tests.fixtures.judged import judged
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("mlflow_server")
 def _remeasured(store: ArtifactStore, spec: PipelineSpec, outcome: CandidateOutcome, *, throughput: float,
                 cpu_share: float) -> CandidateOutcome:
     """The same engine in a later run whose benchmark measured again and replaced the published measurement
-    (same key, as tasks/benchmark.py does when the new one is less contended)."""
+    (same key, as tasks/stages/benchmark.py does when the new one is less contended)."""
     key = outcome.stages["benchmark"].key
     with store.writing(spec.name, "benchmark", key) as w:
         points = [_point(1, 2.0, 5.0), _point(4, 4000 / throughput, 10.0)]
@@ -75,7 +75,7 @@ def test_a_replaced_measurement_updates_the_versions_tags_description_and_card(t
 
 def test_the_champion_says_which_model_files_its_engine_was_built_from(tmp_path: Path) -> None:
     """The digest the export read is on the registered version, so a retrained model can supersede it
-    (tasks/decide.py) even where its engine comes from the registry."""
+    (tasks/judge/decide.py) even where its engine comes from the registry."""
     spec = pipeline_spec(f"truth-{uuid.uuid4().hex[:8]}")
     store = ArtifactStore(tmp_path)
     outcome = candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0)
@@ -87,7 +87,7 @@ def test_the_champion_says_which_model_files_its_engine_was_built_from(tmp_path:
 
 
 def _measured_on(outcome: CandidateOutcome, text: str) -> CandidateOutcome:
-    """The candidate with its accuracy stage's record of the eval text it read (tasks/accuracy.py `eval_data`)."""
+    """The candidate with its accuracy stage's record of the eval text it read (tasks/stages/accuracy.py `eval_data`)."""
     accuracy = outcome.stages["accuracy"]
     manifest = accuracy.manifest | {"inputs": accuracy.manifest.get("inputs", {}) | {"eval_data": text}}
     outcome.stages["accuracy"] = dataclasses.replace(accuracy, manifest=manifest)

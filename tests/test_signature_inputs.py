@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tasks.notify import sign, verify_signature
-from tasks.redact import redacted_url
+from tasks.judge.notify import sign, verify_signature
+from tasks.runtime.redact import redacted_url
 
 SECRET = "s3cret"
 BODY = b'{"event": "engine.promoted"}'

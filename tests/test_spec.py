@@ -18,12 +18,12 @@ from pydantic import ValidationError
 
 from flows.cli import main
 from tasks.backends.base import BackendUnavailable, get_backend
-from tasks.backends.inductor_target import InductorTarget
-from tasks.backends.onnxruntime_target import OnnxRuntimeTarget
+from tasks.backends.inductor.target import InductorTarget
+from tasks.backends.onnxruntime.target import OnnxRuntimeTarget
 from tasks.backends.table import BACKENDS
-from tasks.backends.tensorrt_target import TensorRTTarget
+from tasks.backends.tensorrt.target import TensorRTTarget
 from tasks.config.bounds import PRECISIONS
-from tasks.spec import TARGET_CLASSES, SpecError, load, parse_bytes, select
+from tasks.config.spec import TARGET_CLASSES, SpecError, load, parse_bytes, select
 from tests.fixtures.project_files import COSINE, PIPELINE, header_only_project
 
 VALID = PIPELINE.replace("TASK", "feature-extraction").replace("GATES", COSINE)
@@ -313,7 +313,7 @@ def test_checking_a_file_imports_no_runtime() -> None:
     """The schema and the backend table load without torch, onnxruntime, TensorRT, MLflow or Prefect, so
     `smelter validate` answers quickly on any machine."""
     heavy = ("torch", "onnxruntime", "tensorrt", "transformers", "mlflow", "prefect")
-    code = f"import sys, tasks.spec, tasks.backends.table; print(sorted(set({heavy!r}) & set(sys.modules)))"
+    code = f"import sys, tasks.config.spec, tasks.backends.table; print(sorted(set({heavy!r}) & set(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                             capture_output=True, text=True, check=True, timeout=120).stdout.strip()
     assert loaded == "[]"

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from tasks import graph
-from tasks.hostload import CONTENDED_SHARE
-from tasks.spec import PipelineSpec, load
-from tasks.stage import run_stage
-from tasks.store import CORRUPT_DIR, ArtifactStore, StageResult
+from tasks.config.spec import PipelineSpec, load
+from tasks.measure.hostload import CONTENDED_SHARE
+from tasks.runtime.stage_runner import run_stage
+from tasks.runtime.store import CORRUPT_DIR, ArtifactStore, StageResult
 from tests.test_benchmark import busy_machine  # noqa: F401  (a fixture)
 from tests.test_store import flip
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.stage import Work, code_version, run_stage
-from tasks.store import ArtifactStore, StageWriter
+from tasks.runtime.stage_runner import Work, code_version, run_stage
+from tasks.runtime.store import ArtifactStore, StageWriter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_a_change_to_what_a_stage_computes_changes_its_key(tmp_path: Path, stage
 
 
 def test_every_stage_key_covers_its_code() -> None:
-    from tasks import accuracy, benchmark, build, export, precision, validate
+    from tasks.stages import accuracy, benchmark, build, export, precision, validate
 
     for module in (export, validate, precision, build, accuracy, benchmark):
         assert module.__name__ in module.CODE
@@ -77,8 +77,8 @@ def test_a_damaged_output_is_rebuilt_and_reported(tmp_path: Path, stage_module: 
 BUILDER = textwrap.dedent("""
     import json, os, sys, time
     from pathlib import Path
-    from tasks.stage import Work, run_stage, shared_key_lock
-    from tasks.store import ArtifactStore
+    from tasks.runtime.stage_runner import Work, run_stage, shared_key_lock
+    from tasks.runtime.store import ArtifactStore
 
     root, log, go, use_prefect = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "prefect"
     force = sys.argv[4] == "force"
@@ -96,7 +96,7 @@ BUILDER = textwrap.dedent("""
         shared_key_lock.set(global_key_lock)
     while not go.exists():
         time.sleep(0.01)
-    result = run_stage(Work("p", "build", {"config": "same"}, ("tasks.stage",), produce), ArtifactStore(root), force)
+    result = run_stage(Work("p", "build", {"config": "same"}, ("tasks.runtime.stage_runner",), produce), ArtifactStore(root), force)
     print(json.dumps({"key": result.key, "cached": result.cached, "engine": result.file("engine.bin").read_text()}))
 """)
 

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from tasks.measure import Contender, Rounds, measure_rounds, slot_orders
-from tasks.stats import (MIN_ROUNDS, _interval_rank, _signed_rank_counts, looked_ratio, paired_ratio, serial_inflation,
-                         wilson_interval)
+from tasks.measure.rounds import Contender, Rounds, measure_rounds, slot_orders
+from tasks.measure.stats import (MIN_ROUNDS, _interval_rank, _signed_rank_counts, looked_ratio, paired_ratio,
+                                 serial_inflation, wilson_interval)
 
 # Critical values of the Wilcoxon signed-rank test, two-sided 5% (published tables): the interval is
 # bounded by the (T + 1)-th smallest and largest Walsh averages.
@@ -113,10 +113,10 @@ def test_rounds_span_min_seconds_even_when_conclusive_sooner_but_never_past_the_
         min_seconds: float, max_seconds: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rounds conclusive after 8 (~0.2 s) still go on until they span min_seconds: a few rounds crowded into a
     moment all see one state of the machine. The budget caps it: min_seconds beyond max_seconds stops at the budget."""
-    import tasks.measure
+    import tasks.measure.rounds
 
     spans: list[float] = []
-    monkeypatch.setattr(tasks.measure, "round_observer", lambda rounds, _precision: spans.append(rounds.seconds))
+    monkeypatch.setattr(tasks.measure.rounds, "round_observer", lambda rounds, _precision: spans.append(rounds.seconds))
     a, b = _synthetic(30.0, 0.01, 1), _synthetic(20.0, 0.01, 2)
     rounds = measure_rounds([a, b], [(a.name, b.name)], warmup=1, min_rounds=8, max_seconds=max_seconds,
                             precision=0.05, min_seconds=min_seconds)
@@ -236,7 +236,7 @@ def test_a_slot_opens_with_untimed_calls_when_it_can_afford_them() -> None:
     """The first calls after another engine ran pay for the caches it evicted, which an engine serving alone never
     does: a slot of many short calls opens with SLOT_WARM_CALLS untimed ones; a slot of a few long calls with one
     (its first call, the one that pays)."""
-    from tasks.measure import SLOT_WARM_CALLS
+    from tasks.measure.rounds import SLOT_WARM_CALLS
 
     asked: dict[str, list[int]] = {"short": [], "long": []}
 

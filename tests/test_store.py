@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
-from tasks.store import CORRUPT_DIR, CORRUPT_KEEP_S, HASH_CACHE, ArtifactStore, stage_key, tree_digest
+from tasks.runtime.store import CORRUPT_DIR, CORRUPT_KEEP_S, HASH_CACHE, ArtifactStore, stage_key, tree_digest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -162,7 +162,7 @@ def test_hash_cache_spares_rereading_and_is_never_trusted_blindly(tmp_path: Path
 
 WRITER = """
 import sys, time
-from tasks.store import ArtifactStore
+from tasks.runtime.store import ArtifactStore
 with ArtifactStore(sys.argv[1]).writing("p", "build", sys.argv[2]) as w:
     (w.dir / "engine.bin").write_bytes(b"partial")
     print("writing", flush=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from matplotlib.colors import to_hex
 
-from tasks import gates
+from tasks.config.spec import Candidate, load
+from tasks.judge import gates
+from tasks.judge.summary_figure import COLOURS, MISSED, summary_figure, summary_png
 from tasks.outcome import CandidateOutcome, Decision
-from tasks.spec import Candidate, load
-from tasks.summary_figure import COLOURS, MISSED, summary_figure, summary_png
 
 
 def _outcome(precision: str, status: str, speedup: float | None, holds: bool = False) -> CandidateOutcome:

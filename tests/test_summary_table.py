@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from flows.cli import summary_table
-from tasks.benchmark import LatencySamples
-from tasks.spec import load
+from tasks.config.spec import load
+from tasks.stages.benchmark import LatencySamples
 
 
 def _summary(candidate: str, status: str, **extra) -> dict:

@@ -1,4 +1,4 @@
-"""Every TensorRT name tasks/backends/tensorrt.py uses exists in the real 10.x and 11.x Python bindings.
+"""Every TensorRT name tasks/backends/tensorrt/backend.py uses exists in the real 10.x and 11.x Python bindings.
 
 TensorRT cannot be installed here, so the name lists in tests/data/tensorrt_api_{10,11}.json come
 from the real tensorrt-cu12-bindings wheels (scripts/trt_api_names.py says how). The scan follows
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULE = ROOT / "tasks" / "backends" / "tensorrt.py"
+MODULE = ROOT / "tasks" / "backends" / "tensorrt" / "backend.py"
 def _release(data: dict) -> tuple[int, int]:
     major, minor = data["tensorrt_version"].split(".")[:2]
     return int(major), int(minor)

@@ -10,10 +10,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tasks.backends import trt_plan
 from tasks.backends.base import BackendUnavailable, EngineMismatch
-from tasks.backends.tensorrt_target import TensorRTTarget
-from tasks.spec import ProfileSpec
+from tasks.backends.tensorrt import plan as trt_plan
+from tasks.backends.tensorrt.target import TensorRTTarget
+from tasks.config.spec import ProfileSpec
 
 pytestmark = pytest.mark.tensorrt
 
@@ -24,8 +24,8 @@ if importlib.util.find_spec("tensorrt") is None:
 if GPU is None:
     pytest.skip("no NVIDIA GPU is visible (nvidia-smi found none)", allow_module_level=True)
 
-from tasks.backends.tensorrt import EngineBuildError, TensorRTBackend  # noqa: E402
-from tasks.backends.trt_compare import compare_three_way  # noqa: E402
+from tasks.backends.tensorrt.backend import EngineBuildError, TensorRTBackend  # noqa: E402
+from tasks.stages.three_way import compare_three_way  # noqa: E402
 from tests.fixtures.onnx_graphs import linear_model  # noqa: E402
 
 PROFILES = [ProfileSpec(batch=[1, 4, 8], seq=[1, 1, 1]), ProfileSpec(batch=[9, 16, 32], seq=[1, 1, 1])]

@@ -13,9 +13,9 @@ import onnxruntime
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks import tracking
 from tasks.outcome import Decision, GateResult
-from tasks.store import ArtifactStore
+from tasks.registry import tracking
+from tasks.runtime.store import ArtifactStore
 from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
 
 pytestmark = pytest.mark.usefixtures("mlflow_server")

@@ -11,10 +11,10 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks import tracking
+from tasks.config.spec import registered_model_name
 from tasks.outcome import CandidateOutcome, Decision
-from tasks.spec import registered_model_name
-from tasks.store import ArtifactStore
+from tasks.registry import tracking
+from tasks.runtime.store import ArtifactStore
 from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
 
 pytestmark = pytest.mark.usefixtures("mlflow_server")

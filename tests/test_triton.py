@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks import triton
-from tasks.backends import trt_plan
+from tasks.backends.tensorrt import plan as trt_plan
+from tasks.backends.tensorrt import triton_repository as triton
 
 IO = [{"name": "input_ids", "mode": "input", "dtype": "int64", "shape": [-1, -1]},
       {"name": "attention_mask", "mode": "input", "dtype": "int64", "shape": [-1, -1]},
@@ -79,7 +79,7 @@ def test_max_batch_size_is_what_every_profile_serves():
 
 
 def test_latency_slo_comes_from_the_p99_gate():
-    from tasks.spec import PipelineSpec
+    from tasks.config.spec import PipelineSpec
 
     spec = PipelineSpec(name="m", model={"id": "x/y", "task": "feature-extraction"},
                         profiles=[{"batch": [1, 8, 32], "seq": [1, 128, 512]}], precisions=["fp16"],
@@ -92,8 +92,8 @@ def test_latency_slo_comes_from_the_p99_gate():
 
 def _promoted(tmp_path, precision, target, engine, backend="tensorrt", status="promoted"):
     from tasks.outcome import CandidateOutcome
-    from tasks.spec import Candidate
-    from tasks.store import StageResult
+    from tasks.config.spec import Candidate
+    from tasks.runtime.store import StageResult
 
     build = StageResult("minilm", "build", target, engine.engine_dir, {"outputs": {"backend": backend}})
     bench = StageResult("minilm", "benchmark", target, tmp_path, {"outputs": {"points": POINTS}})
@@ -103,7 +103,7 @@ def _promoted(tmp_path, precision, target, engine, backend="tensorrt", status="p
 
 
 def test_promoted_engines_of_one_run_are_packaged_together(tmp_path):
-    from tasks.spec import PipelineSpec
+    from tasks.config.spec import PipelineSpec
 
     spec = PipelineSpec.model_validate({
         "name": "minilm", "model": {"id": "org/m", "task": "feature-extraction"},

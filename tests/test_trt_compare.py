@@ -6,7 +6,7 @@ import numpy as np
 import onnxruntime as ort
 
 from tasks.backends.base import Runner
-from tasks.backends.trt_compare import compare_three_way
+from tasks.stages.three_way import compare_three_way
 from tests.fixtures.onnx_graphs import linear_model
 
 

@@ -7,11 +7,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tasks.backends import trt_plan
 from tasks.backends.base import EngineMismatch
-from tasks.backends.tensorrt_target import TensorRTTarget
-from tasks.gpu import GpuInfo
-from tasks.spec import ProfileSpec
+from tasks.backends.tensorrt import plan as trt_plan
+from tasks.backends.tensorrt.target import TensorRTTarget
+from tasks.config.spec import ProfileSpec
+from tasks.runtime.gpu import GpuInfo
 
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", (9, 0), "580.159.03")
 A100 = GpuInfo("NVIDIA A100-SXM4-80GB", (8, 0), "580.159.03")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.inputs import read_texts
-from tasks.spec import SpecError, load
+from tasks.config.spec import SpecError, load
+from tasks.stages.inputs import read_texts
 from tests.fixtures.project_files import COSINE, PIPELINE, header_only_project
 
 
@@ -115,7 +115,7 @@ def test_a_byte_order_mark_is_not_part_of_the_first_sample(workdir: Path) -> Non
 
 
 def test_an_accuracy_fallback_without_a_cosine_gate_is_refused_as_the_stage_would(workdir: Path) -> None:
-    from tasks.int8_fallback import gated_metrics
+    from tasks.stages.int8_fallback import gated_metrics
 
     fallback = "    quantization: {accuracy_fallback: {max_float_share: 0.2}}\n"
     path = write(workdir, gates="{max_abs_error: {max: 0.1}}", extra=fallback)

@@ -10,10 +10,10 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from tasks import spec as spec_module
-from tasks.export import run_export
-from tasks.store import ArtifactStore, StageResult
-from tasks.validate import ValidationFailed, run_validate, validate_key
+from tasks.config import spec as spec_module
+from tasks.runtime.store import ArtifactStore, StageResult
+from tasks.stages.export import run_export
+from tasks.stages.validate import ValidationFailed, run_validate, validate_key
 
 POINTS = ("min", "opt", "max")
 

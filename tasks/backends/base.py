@@ -23,7 +23,7 @@ from tasks.config.bounds import NAME, Strict
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from tasks.spec import ProfileSpec
+    from tasks.config.profiles import ProfileSpec
 
 
 class BackendUnavailable(RuntimeError):

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.yaml_source import shown
+from tasks.config.yaml_source import shown
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
 

@@ -16,13 +16,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tasks.config import preflight
 from tasks.backends.table import BACKENDS
+from tasks.config import preflight
 from tasks.config.schema import (TARGET_CLASSES, Candidate, FleetSpec, PipelineSpec, PipelinesFile, Threshold,
                                  registered_model_name)
+from tasks.config.yaml_source import YamlDocument, YamlProblem, clip, key_path, printable, read, shown
 from tasks.metrics import HIGHER_IS_BETTER
-from tasks.redact import redacted_url
-from tasks.yaml_source import YamlDocument, YamlProblem, clip, key_path, printable, read, shown
+from tasks.runtime.redact import redacted_url
 
 ENCODER_METRICS = ("cosine_mean", "cosine_min", "max_abs_error")
 CLASSIFIER_METRICS = ("label_agreement", "cosine_mean", "cosine_min", "max_abs_error")

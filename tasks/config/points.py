@@ -1,7 +1,7 @@
 """Gate points: where a pipeline's performance gates, objective and decisions read an engine's speed.
 
 A prefill `{batch, seq}` or a decoder's decode step `{batch, past}` (one new token after `past`); the
-benchmark stage times both kinds (tasks/benchmark.py) and rows of either kind carry the same figures.
+benchmark stage times both kinds (tasks/stages/benchmark.py) and rows of either kind carry the same figures.
 """
 
 from __future__ import annotations

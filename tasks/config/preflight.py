@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks import exporter_support
-from tasks.bounded_read import read_bounded
-from tasks.yaml_source import clip, shown
+from tasks.config import exporter_support
+from tasks.config.bounded_read import read_bounded
+from tasks.config.yaml_source import clip, shown
 
 if TYPE_CHECKING:
     from tasks.config.schema import PipelineSpec
@@ -45,7 +45,7 @@ DEFAULT_PADDING_IDX = 1
 # attention), Gemma3's runs and differs from PyTorch by 0.2 in the logits. Mistral's, Phi3's and Qwen2's (window
 # on) matched PyTorch to 2e-7 there, so their windows bound nothing: Phi-3-mini ships sliding_window 2047.
 SLIDING_WINDOW_TYPES = ("gemma2", "gemma3", "gemma3_text")
-# The heads each task's checkpoint must carry (transformers' class name suffixes; see tasks.models' auto classes).
+# The heads each task's checkpoint must carry (transformers' class name suffixes; see tasks.stages.models' auto classes).
 CLASSIFIER_HEADS = ("ForSequenceClassification",)
 LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 # Vision and audio models, told by their config: (kind, main input, keys only such a config has, whether a vocab_size
@@ -139,7 +139,7 @@ def _data_problem(spec: PipelineSpec, section: str, written: str, samples: int,
 def text_file_problem(path: Path, samples: int, wanted_by: str) -> str | None:
     """Why `path` is not a readable UTF-8 text file with at least `samples` non-empty lines, or None.
 
-    Decoded as tasks.inputs.read_texts reads it: a byte-order mark at the start is not part of the first sample."""
+    Decoded as tasks.stages.inputs.read_texts reads it: a byte-order mark at the start is not part of the first sample."""
     where = clip(str(path))
     if path.suffix.lower() in STRUCTURED_DATA_SUFFIXES:
         return (f"{where} is a {path.suffix.lower()} file, which would be read as raw lines (its markup inside the "
@@ -189,7 +189,7 @@ def _pad_token_problems(spec: PipelineSpec, config: dict[str, Any], model_dir: P
                         source: str) -> list[Located]:
     """A classifier's batches are padded, and a decoder classifier finds each row's last real token by the pad
     id: Optimum refuses to export one without it. smelter uses config.json's pad_token_id, else the tokenizer's
-    pad token, else its eos (tasks.models.load_tokenizer); with none of them there is nothing to pad with.
+    pad token, else its eos (tasks.stages.models.load_tokenizer); with none of them there is nothing to pad with.
 
     Refused only when the saved tokenizer lists its special tokens (as save_pretrained writes them) and neither
     is among them: without such files, the tokenizer class's defaults apply, which cannot be read here.
@@ -507,7 +507,7 @@ def _profile_lengths(spec: PipelineSpec) -> list[tuple[tuple[Any, ...], str, int
 
 
 def _calibration_past(spec: PipelineSpec) -> int:
-    """The KV cache calibration feeds come after (tasks.calibration_feeds: the first profile's typical past)."""
+    """The KV cache calibration feeds come after (tasks.stages.calibration_feeds: the first profile's typical past)."""
     first = spec.profiles[0]
     return first.past[1] if spec.model.has_past and first.past else 0
 
@@ -534,7 +534,7 @@ def _fp8_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> li
         return []
     from types import SimpleNamespace
 
-    from tasks.backends.llama_support import fp8_kept, fp8_unsupported
+    from tasks.backends.inductor.llama_support import fp8_kept, fp8_unsupported
 
     try:
         problem = fp8_unsupported(SimpleNamespace(**{"num_key_value_heads": None, **config}), spec.model.is_decoder)

@@ -22,7 +22,6 @@ import httpx
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from tasks import capacity as _capacity
 from tasks.backends.base import TargetSpec
 from tasks.backends.table import BACKENDS
 from tasks.config.bounds import (MAX_BATCH, MAX_BENCHMARK_SECONDS, MAX_GPUS_PER_HOST, MAX_PATTERNS, MAX_PROFILES,
@@ -31,16 +30,18 @@ from tasks.config.bounds import (MAX_BATCH, MAX_BENCHMARK_SECONDS, MAX_GPUS_PER_
                                  MAX_WORKER_TIMEOUT_S, NAME, PRECISIONS, Pattern)
 from tasks.config.bounds import Strict as _Strict
 from tasks.config.points import default_gate_point
-from tasks.hostload import CONTENDED_SHARE
-from tasks.redact import redacted_url
-from tasks.stats import MIN_ROUNDS
-from tasks.yaml_source import clip, shown
+from tasks.config.profiles import ProfileSpec
+from tasks.config.yaml_source import clip, shown
+from tasks.measure import capacity as _capacity
+from tasks.measure.hostload import CONTENDED_SHARE
+from tasks.measure.stats import MIN_ROUNDS
+from tasks.runtime.redact import redacted_url
 
 TASKS = ("feature-extraction", "text-classification", "text-generation", "text-generation-with-past")
 DECODER_TASKS = ("text-generation", "text-generation-with-past")
 KV_CACHE_TASKS = ("text-generation-with-past",)
 PACKAGE_SCHEME = "package://"
-# The accuracy gates int8's accuracy fallback can check on calibration data (tasks/int8_fallback.py measures them).
+# The accuracy gates int8's accuracy fallback can check on calibration data (tasks/stages/int8_fallback.py measures them).
 FALLBACK_GATED = {"encoder": ("cosine_mean", "cosine_min"), "decoder": ("top1_agreement",)}
 
 
@@ -71,39 +72,6 @@ class ModelSpec(_Strict):
 
 class ExportSpec(_Strict):
     opset: int = Field(18, ge=14, le=23, description="ONNX opset (18 is the lowest Optimum recommends for Llama)")
-
-
-BatchDim = Annotated[list[Annotated[int, Field(ge=1, le=MAX_BATCH)]], Field(min_length=3, max_length=3)]
-SeqDim = Annotated[list[Annotated[int, Field(ge=1, le=MAX_SEQ)]], Field(min_length=3, max_length=3)]
-PastDim = Annotated[list[Annotated[int, Field(ge=0, le=MAX_SEQ)]], Field(min_length=3, max_length=3)]
-
-
-class ProfileSpec(_Strict):
-    """One optimization profile: [min, opt, max] for each dynamic dimension."""
-
-    batch: BatchDim = Field(description="[min, opt, max] batch size")
-    seq: SeqDim = Field(description="[min, opt, max] sequence length (new tokens)")
-    past: PastDim | None = Field(None, description="[min, opt, max] past length (0 = prefill), decoders with KV cache")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> ProfileSpec:
-        for name in ("batch", "seq", "past"):
-            lo_opt_hi = getattr(self, name)
-            if lo_opt_hi is not None and not lo_opt_hi[0] <= lo_opt_hi[1] <= lo_opt_hi[2]:
-                raise ValueError(f"{name} must satisfy min <= opt <= max, got {lo_opt_hi}")
-        return self
-
-    def shapes(self) -> dict[str, dict[str, int]]:
-        """The three shape points validation and engines must agree on."""
-        points = {}
-        for i, point in enumerate(("min", "opt", "max")):
-            shape = {"batch": self.batch[i], "seq": self.seq[i]}
-            if self.past is not None:
-                shape["past"] = self.past[i]
-            points[point] = shape
-        return points
-
-
 
 
 class CalibrationSpec(_Strict):
@@ -194,7 +162,7 @@ class BenchmarkSpec(_Strict):
 
     @model_validator(mode="after")
     def _budget_reaches_min_rounds(self) -> BenchmarkSpec:
-        """A round times two engines for a slot each (tasks/measure.py SLOT_MS, 25 ms): a gate-point budget too short
+        """A round times two engines for a slot each (tasks/measure/rounds.py SLOT_MS, 25 ms): a gate-point budget too short
         for min_rounds (and MIN_ROUNDS) of them is a mistake. (Slower engines: the stage measures on and says so.)"""
         rounds = max(self.min_rounds, MIN_ROUNDS)
         if self.max_seconds < rounds * 2 * 0.025:

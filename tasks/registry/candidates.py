@@ -17,7 +17,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking.context.registry import resolve_tags
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-from tasks import killpoints
+from tasks.config.spec import Candidate, PipelineSpec
 from tasks.metrics import stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.registry.card import engine_card
@@ -26,8 +26,8 @@ from tasks.registry.runs import (MAX_TAG_CHARS, OWNER_TAG, _ended_by, _experimen
                                  candidate_params, candidate_tags, gate_tag, headline_metrics, owner_tag, rounded,
                                  stage_seconds)
 from tasks.registry.uploads import _log_engine
-from tasks.spec import Candidate, PipelineSpec
-from tasks.store import MANIFEST, StageResult
+from tasks.runtime import killpoints
+from tasks.runtime.store import MANIFEST, StageResult
 
 REPORT_FILES = {"validate": ("report.json",), "accuracy": ("per_sample.csv", "three_way.json"),
                 "benchmark": ("samples.csv",)}

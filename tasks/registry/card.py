@@ -13,14 +13,14 @@ import html
 import mlflow
 from mlflow.exceptions import MlflowException
 
-from tasks import capacity
+from tasks.config.spec import PipelineSpec
+from tasks.measure import capacity
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.registry.client import _client
 from tasks.registry.runs import (DESCRIPTION_TAG, MAX_TAG_CHARS, SUMMARY_FIGURE, _log_bytes, candidate_description,
                                  candidate_tags, gate_tag)
 from tasks.registry.versions import measured_sentence, measurement
-from tasks.spec import PipelineSpec
 
 ENGINE_CARD = "engine_card.md"
 

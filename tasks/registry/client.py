@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 import mlflow
 from mlflow.tracking import MlflowClient
 
-from tasks import locks
-from tasks.redact import redacted_url
-from tasks.server_health import unanswered
-from tasks.yaml_source import clip
+from tasks.config.yaml_source import clip
+from tasks.runtime import locks
+from tasks.runtime.redact import redacted_url
+from tasks.runtime.server_health import unanswered
 
 _initialised: set[str] = set()
 _lost: dict[str, str] = {}  # server URI -> the line naming it, while it does not answer

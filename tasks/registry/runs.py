@@ -22,14 +22,14 @@ from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from tasks import killpoints
-from tasks.accuracy import measured_on
-from tasks.holder import Holder, machine_id
+from tasks.config.spec import PipelineSpec
 from tasks.outcome import CandidateOutcome
-from tasks.redact import redacted_url
 from tasks.registry.client import _client, tracking_server, tracking_uri
-from tasks.spec import PipelineSpec
-from tasks.store import StageResult
+from tasks.runtime import killpoints
+from tasks.runtime.holder import Holder, machine_id
+from tasks.runtime.redact import redacted_url
+from tasks.runtime.store import StageResult
+from tasks.stages.accuracy import measured_on
 
 MAX_PARAM_CHARS = 6000
 MAX_TAG_CHARS = 8000
@@ -41,7 +41,7 @@ OWNER_TAG = "smelter.owner"  # "<host> <pid> <process start>": who may still be 
 # MLflow 3.17's UI picks an experiment's page by its GenAI / Model training switch (default GenAI: traces),
 # not by the experiment's kind tag; this query selects runs, and the UI remembers it
 UI_TRAINING_VIEW = "workflowType=machine_learning"
-# The text a candidate's accuracy was measured on (tasks/accuracy.py `eval_data`): regressions compare like for like
+# The text a candidate's accuracy was measured on (tasks/stages/accuracy.py `eval_data`): regressions compare like for like
 EVAL_DATA_TAG = "eval_data"
 # The stages that make an engine: the parent's `rebuilt` tag says whether any ran (a re-measurement is no rebuild)
 ENGINE_STAGES = ("export", "precision", "build")
@@ -249,7 +249,7 @@ def _log_bytes(client: MlflowClient, run_id: str, data: bytes, name: str) -> Non
 
 
 def log_summary_figure(parent_run_id: str, figure: bytes) -> None:
-    """The run's summary figure (tasks/summary_figure.py) on the parent run, where the decision is read."""
+    """The run's summary figure (tasks/judge/summary_figure.py) on the parent run, where the decision is read."""
     _log_bytes(_client(), parent_run_id, figure, SUMMARY_FIGURE)
 
 

@@ -17,13 +17,14 @@ import yaml
 from mlflow.models import ModelSignature
 from mlflow.types import Schema, TensorSpec
 
-from tasks import engine_check, killpoints
+from tasks.config.spec import PipelineSpec, registered_model_name
 from tasks.outcome import CandidateOutcome
 from tasks.registry.client import _client
 from tasks.registry.runs import experiment_name
 from tasks.registry.versions import engine_identity, versions_of_engine
-from tasks.spec import PipelineSpec, registered_model_name
-from tasks.store import StageResult
+from tasks.runtime import killpoints
+from tasks.runtime.store import StageResult
+from tasks.stages import engine_check
 
 ENGINE_DIGEST_TAG = "engine_sha256"
 ENGINE_SOURCE_TAG = "engine_source"  # the engine's copy in MLflow when the run did not upload one itself

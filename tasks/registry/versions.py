@@ -16,16 +16,16 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 
+from tasks.config.spec import PipelineSpec, registered_model_name
 from tasks.outcome import CandidateOutcome, Champion
 from tasks.registry.client import _client
 from tasks.registry.runs import EVAL_DATA_TAG
-from tasks.spec import PipelineSpec, registered_model_name
-from tasks.store import StageResult
+from tasks.runtime.store import StageResult
 
-MODEL_SOURCE_TAG = "model_source"  # the model files its engine was built from (tasks/champion.py `built_from`)
+MODEL_SOURCE_TAG = "model_source"  # the model files its engine was built from (tasks/stages/champion.py `built_from`)
 ENGINE_IDENTITY_TAG = "engine_identity"  # a registry version's identity: `engine_identity`, its engine files' sha256
 ENGINE_SIDECAR = "engine.json"  # what every backend writes beside its engine (tasks/backends: SIDECAR), build times too
-OUTBOX_TAG = "smelter.events"  # a version's promotion events (tasks/notify.py writes it)
+OUTBOX_TAG = "smelter.events"  # a version's promotion events (tasks/judge/notify.py writes it)
 OUTBOX_STATUS_TAG = "smelter.events.status"  # the same, in a few words
 # Where a registry version's metric tags come from: when that benchmark ran, whether other processes competed
 # for the CPU (and how much), its key and the run that read it. A less busy re-measurement replaces them.

@@ -1,4 +1,4 @@
-"""MLflow's own registry webhooks, as tasks/mlflow_webhooks.py syncs them with pipelines.yaml."""
+"""MLflow's own registry webhooks, as tasks/judge/mlflow_webhooks.py syncs them with pipelines.yaml."""
 
 from __future__ import annotations
 
