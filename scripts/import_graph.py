@@ -1,11 +1,13 @@
-"""Check the import graph of tasks/ and flows/: no circle, no upward import, mlflow imported by
-tasks/registry/ alone, schema within its size.
+"""Check the import graph of tasks/ and flows/: no circle, no upward import, each folder of tasks/ importing
+only what its __init__.py allows, mlflow imported by tasks/registry/ alone, schema within its size.
 
 A circle (the schema calling preflight, which imports the schema) makes every module on it load,
 test and change together; `tasks` importing `flows` puts the orchestration under the work it
-orchestrates. The graph is read from the source (AST), with imports inside functions counted
-(they are circles all the same, only deferred) and those under `if TYPE_CHECKING:` left out (they
-never run). tests/test_import_graph.py runs this.
+orchestrates; a stage importing judging, or runtime importing anything above it, hides which part
+depends on which. The graph is read from the source (AST), with imports inside functions counted
+(they are circles all the same, only deferred) and those under `if TYPE_CHECKING:` counted too (a type
+a module names is a dependency: a circle of them is a circle in the design, only unenforced at run time).
+tests/test_import_graph.py runs this.
 
 Usage: python scripts/import_graph.py [ROOT]   (default: this repository; exit 1 on a problem)
 """
@@ -20,6 +22,22 @@ from pathlib import Path
 PACKAGES = ("tasks", "flows")
 UPWARD = (("tasks", "flows"),)  # (importer, imported): a module of the first may not import the second
 ONLY_FROM = {"mlflow": "tasks.registry"}  # a library only this package may import: the rest goes through it
+# What each folder (or shared module) of tasks/ may import of tasks/ beyond itself; each __init__.py says why.
+# A module outside them (tasks/graph.py, flows/) may import any of them.
+_RECORDS = ("tasks.outcome", "tasks.metrics")  # what every folder reads of a candidate's result
+MAY_IMPORT = {
+    "tasks.runtime": (),
+    "tasks.measure": ("tasks.runtime",),
+    "tasks.config": ("tasks.runtime", "tasks.measure", "tasks.backends", "tasks.metrics"),
+    "tasks.backends": ("tasks.runtime", "tasks.measure", "tasks.config"),
+    "tasks.stages": ("tasks.runtime", "tasks.measure", "tasks.config", "tasks.backends", "tasks.registry", *_RECORDS),
+    "tasks.registry": ("tasks.runtime", "tasks.measure", "tasks.config", "tasks.stages", *_RECORDS),
+    "tasks.judge": ("tasks.runtime", "tasks.measure", "tasks.config", "tasks.backends", "tasks.stages",
+                    "tasks.registry", *_RECORDS),
+    "tasks.outcome": ("tasks.runtime", "tasks.config", "tasks.metrics"),
+    "tasks.metrics": ("tasks.runtime",),
+}
+TOP_LEVEL_MODULES = 10  # at most this many modules directly in tasks/: the rest belongs in a folder
 BUDGETS = {"tasks/config/spec.py": 500, "tasks/config/schema.py": 500,  # lines
            "tasks/registry/tracking.py": 100,  # re-exports only: the work is in tasks/registry/
            **{f"tasks/registry/{name}.py": 500 for name in ("__init__", "client", "runs", "versions", "uploads",
@@ -36,22 +54,9 @@ def modules(root: Path) -> dict[str, Path]:
     return found
 
 
-def _type_checking(node: ast.If) -> bool:
-    test = node.test
-    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or \
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-
-
 def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement in `tree`, at any depth, outside TYPE_CHECKING blocks (they never run)."""
-    if isinstance(tree, ast.If) and _type_checking(tree):
-        for child in tree.orelse:
-            yield from _import_nodes(child)
-        return
-    if isinstance(tree, (ast.Import, ast.ImportFrom)):
-        yield tree
-    for child in ast.iter_child_nodes(tree):
-        yield from _import_nodes(child)
+    """Every import statement in `tree`, at any depth, TYPE_CHECKING blocks included."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
 def _imports(tree: ast.AST, name: str, is_package: bool, known: dict[str, Path]) -> set[str]:
@@ -134,6 +139,31 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+def _within(name: str, place: str) -> bool:
+    return name == place or name.startswith(place + ".")
+
+
+def _rule_of(name: str) -> str | None:
+    """The folder or shared module of MAY_IMPORT that holds module `name` (the innermost), or None."""
+    places = [place for place in MAY_IMPORT if _within(name, place)]
+    return max(places, key=len) if places else None
+
+
+def folder_problems(edges: dict[str, set[str]]) -> list[str]:
+    """Every import of a module of tasks/ that its folder's rule (MAY_IMPORT) does not allow."""
+    found = []
+    for name, targets in sorted(edges.items()):
+        place = _rule_of(name)
+        if place is None:
+            continue
+        allowed = (place, *MAY_IMPORT[place])
+        found += [f"{name} imports {target}: {place.replace('.', '/')} may import only "
+                  f"{', '.join(a.replace('.', '/') for a in MAY_IMPORT[place]) or 'itself'} of tasks/"
+                  for target in sorted(targets) if target.split(".")[0] == "tasks"
+                  and not any(_within(target, a) for a in allowed)]
+    return found
+
+
 def problems(root: Path) -> list[str]:
     """Every rule the tree breaks, one sentence each."""
     edges = graph(root)
@@ -143,6 +173,11 @@ def problems(root: Path) -> list[str]:
         found += [f"{name} imports {target}: {importer}/ must not import {imported}/"
                   for name, targets in sorted(edges.items()) if name.split(".")[0] == importer
                   for target in sorted(targets) if target.split(".")[0] == imported]
+    found += folder_problems(edges)
+    top = sorted(p.name for p in (root / "tasks").glob("*.py") if p.name != "__init__.py")
+    if len(top) > TOP_LEVEL_MODULES:
+        found.append(f"tasks/ holds {len(top)} modules at its top level, over {TOP_LEVEL_MODULES}: put each in the "
+                     f"folder of its role ({', '.join(top)})")
     for name, path in sorted(modules(root).items()):
         used = libraries(ast.parse(path.read_text(encoding="utf-8"), str(path)))
         found += [f"{name} imports {library}: only {owner} may (the rest goes through it)"
