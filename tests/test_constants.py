@@ -68,6 +68,7 @@ def test_the_check_finds_a_bound_written_twice(tmp_path: Path) -> None:
     """The checks above read what they should: a tree with a bound copied under another value is caught."""
     (tmp_path / "tasks").mkdir()
     (tmp_path / "flows").mkdir()
+    (tmp_path / "tasks" / "measure").mkdir()
     (tmp_path / "tasks" / "bounds.py").write_text("MAX_ROUNDS = 10_000\nNAME: str = 'x'\n")
     (tmp_path / "tasks" / "measure" / "rounds.py").write_text("import bounds\nMAX_ROUNDS = 2000\nKEPT = bounds.NAME\n")
     assert definitions(tmp_path) == {"MAX_ROUNDS": {"tasks/bounds.py": "10000", "tasks/measure/rounds.py": "2000"},

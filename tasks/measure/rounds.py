@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tasks.config.bounds import MAX_ROUNDS
 from tasks.measure.stats import MIN_ROUNDS, Ratio, paired_ratio, recent_widest, serial_inflation
 
 SLOT_MS = 25.0
+MAX_ROUNDS = 10_000  # where the rounds stop whatever they found; benchmark.min_rounds may not pass it
 MAX_CALLS_PER_SLOT = 64
 # Untimed calls that open every slot: at least one, and up to 2 where a slot has 8 timed calls or more. The first
 # call after another engine ran is never timed: an engine serving alone never meets the caches, allocator and
