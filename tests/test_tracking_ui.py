@@ -96,7 +96,7 @@ def test_unchanged_rerun_says_nothing_was_rebuilt_and_the_parent_run_summarises_
     rows = description.splitlines()[2:]
     assert rows[2:] == [f"| {spec.name}/fp32/cpu | **passed** | 3 | - | enc/int8/cpu is faster |",
                         f"| {spec.name}/int8/cpu | **rejected** | - | - | p99_ms: 80 > max 50 |",
-                        f"| {spec.name}/fp32/sm90 | **failed** | - | - | build failed |"]
+                        f"| {spec.name}/fp32/sm90 | **failed** | - | - | build: onnxruntime could not load model.onnx: invalid graph |"]
     assert len(description.splitlines()) <= 8, "a table the run page shows whole (no 'Show more' for a few rows)"
 
 

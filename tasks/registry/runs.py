@@ -368,8 +368,10 @@ def short_reason(outcome: CandidateOutcome) -> str:
         missed = [reason.split(" (")[0] for gate in outcome.gates if not gate.passed and not gate.inconclusive
                   for reason in gate.reasons]
         text = "; ".join(missed) or outcome.reason
-    elif outcome.status == "failed":
-        text = f"{outcome.failed_stage} failed" if outcome.failed_stage else outcome.reason
+    elif outcome.status == "failed":  # the error itself, under the stage that raised it
+        stage, text = outcome.failed_stage, outcome.reason
+        if stage and not text.startswith(stage):
+            text = f"{stage}: {text}"
     elif outcome.status == "pending":
         text = "machine busy: speed not judged"
     else:
