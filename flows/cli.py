@@ -808,5 +808,24 @@ def _stopped(how: str, code: int, command: str | None) -> int:
     return code
 
 
+def entry() -> None:
+    """The `smelter` command: main's exit code. A run stopped by a signal ends here with that code (130 / 143).
+    Python itself would end such a process by SIGINT (exit -2, a traceback-less death a shell reads as killed)
+    whenever a library ran code through PyRun_String while the first Ctrl-C was raised: that sets an interpreter
+    flag nothing can clear. So after a stop the exit handlers run here and the process ends with its code."""
+    code = main()
+    if _delivered:
+        import atexit
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
+
