@@ -739,9 +739,10 @@ def main(argv: list[str] | None = None) -> int:
 
 # Waits on a server that stopped answering, bounded for this process unless the user set them: MLflow retries
 # a call 7 times over ~4 minutes (120 s timeout each), Prefect 5 times over ~1 minute, and a run makes many.
-# These ride out a restart of a few seconds (MLflow ~30 s a call, Prefect ~7 s) and end a run in tens of seconds.
+# These ride out a restart or a busy spell of ~30 s a call (a SQLite Prefect server answers 503 at once while
+# concurrent runs write to it: each retry is a fresh chance) and end a run on a dead server in tens of seconds.
 CLIENT_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "4", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "2",
-                         "MLFLOW_HTTP_REQUEST_TIMEOUT": "60", "PREFECT_CLIENT_MAX_RETRIES": "2"}
+                         "MLFLOW_HTTP_REQUEST_TIMEOUT": "60", "PREFECT_CLIENT_MAX_RETRIES": "4"}
 
 
 def _bound_client_retries() -> None:
