@@ -1,4 +1,4 @@
-"""One model's graph: export → validate → precision[p] → build[p, target] → accuracy → benchmark → gate → promote → notify.
+"""One model's graph: export → validate → precision[p] → build[p, target] → accuracy → benchmark → gate → decide → promote → notify.
 
 Two flows. `build_targets` (build half: every stage up to the target's benchmark, each candidate
 logged to MLflow) runs wherever the targets' pool is; `pipeline_flow` (judge half) runs the builds,
@@ -13,9 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import tempfile
-import traceback
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -28,17 +25,15 @@ from prefect.states import Completed, Failed, State
 from flows import events, fleet, prefect_outcome, progress
 from flows.stages import run_step
 from tasks import graph
-from tasks.backends.tensorrt import triton_repository
 from tasks.config.spec import Candidate, PipelineSpec, PipelinesFile, load, point_words
-from tasks.judge import decide, gates, notify, promote, summary_figure
-from tasks.metrics import key_metrics, stage_metrics
+from tasks.judge import notify, summary_figure
+from tasks.judge.steps import Judging
 from tasks.outcome import CandidateOutcome, Champion, pending_events, tally
 from tasks.registry import tracking
 from tasks.runtime import scratch
 from tasks.runtime.error_text import described
 from tasks.runtime.store import TOOL_CACHES, ArtifactStore, StageResult
 from tasks.stages import benchmark, engine_check
-from tasks.stages.accuracy import measured_on
 from tasks.stages.champion import champion_build
 
 
@@ -112,72 +107,6 @@ def benchmark_target(spec: PipelineSpec, target: str, outcomes: list[CandidateOu
         outcome.stages["benchmark"] = benchmark.for_candidate(result, outcome.candidate.name, champion)
 
 
-@task(name="gate", cache_policy=NO_CACHE, persist_result=False)
-def gate_task(spec: PipelineSpec, outcome: CandidateOutcome, previous: dict[str, Any] | None) -> CandidateOutcome:
-    measured = stage_metrics(outcome.stages)
-    outcome.metrics = key_metrics(measured)
-    outcome.gates = gates.evaluate(spec, measured, outcome.stages["accuracy"].outputs.get("validity"), previous)
-    outcome.status = "passed" if outcome.passed_gates else "rejected"
-    return outcome
-
-
-@dataclass
-class _Judging:
-    """The judge half's state as the graph's judging steps (tasks/graph.py `judge_steps`) run in order."""
-
-    spec: PipelineSpec
-    outcomes: list[CandidateOutcome]
-    champions: dict[str, Champion | None]
-    deliveries: list[dict[str, Any]] = field(default_factory=list)
-    blocked: set[graph.Ref] = field(default_factory=set)  # steps that failed: what needs them does not run
-
-    def replace(self, outcome: CandidateOutcome) -> None:
-        self.outcomes = [outcome if o.candidate.name == outcome.candidate.name else o for o in self.outcomes]
-
-
-def _gate(judged: _Judging, step: graph.Step) -> None:
-    """Gate (unless a stage failed) a candidate its build already logged, and record the verdict on its
-    run; tasks hand back new objects, so keep what they return."""
-    outcome = next(o for o in judged.outcomes if o.candidate.name == step.node)
-    if not outcome.run_id:
-        return
-    if outcome.status != "failed":
-        previous = tracking.previous_version(judged.spec, outcome.candidate.target, outcome.candidate.precision,
-                                             outcome.stages.get("build"), measured_on(outcome.stages.get("accuracy")))
-        outcome = gate_task.with_options(task_run_name=f"{step.node}/gate")(judged.spec, outcome, previous)
-    try:
-        tracking.record_gates(outcome.run_id, outcome)
-    except Exception as e:  # noqa: BLE001 - an unrecorded verdict may not be promoted; the others go on
-        _fail(outcome, "track", e)
-    judged.replace(outcome)
-
-
-def _promote(judged: _Judging, step: graph.Step) -> None:
-    """Decide each target's champion and move the aliases, all or nothing: a failure rolls promotion back,
-    fails the candidates that would have been promoted, and blocks what needs it (package, notify)."""
-    outcomes = decide.decide(judged.spec, judged.outcomes, judged.champions)
-    try:
-        judged.outcomes = promote_task.with_options(task_run_name=f"{step.node}/promote")(judged.spec, outcomes)
-    except Exception as e:  # noqa: BLE001 - promotion rolled back: its candidates failed, the alias did not move
-        judged.blocked.add(step.ref)
-        for outcome in outcomes:
-            if outcome.status == "passed":
-                _fail(outcome, "promote", e)
-
-
-def _package(judged: _Judging, step: graph.Step) -> None:
-    _after_promotion(judged, step, package_task)
-
-
-def _notify(judged: _Judging, step: graph.Step) -> None:
-    judged.deliveries = _after_promotion(judged, step, notify_task) or []
-    events.announce_promotions(judged.outcomes)
-
-
-JUDGES = {"gate": _gate, "promote": _promote, "package": _package, "notify": _notify}
-"""How the flow runs each judging stage of the graph."""
-
-
 @task(name="track", cache_policy=NO_CACHE, persist_result=False)
 def track_task(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutcome, where: dict[str, str]) -> str:
     return tracking.log_candidate(parent_run_id, spec, outcome, extra_tags=where)
@@ -202,37 +131,6 @@ def verdict_task(outcome: CandidateOutcome) -> State:
     (flows/prefect_outcome.py): a green `Completed` for a rejected engine would hide what a reader wants."""
     progress.candidate_done(outcome.candidate.name, outcome.status, [outcome.reason] if outcome.reason else [])
     return prefect_outcome.verdict_state(outcome)
-
-
-@task(name="promote", cache_policy=NO_CACHE, persist_result=False)
-def promote_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
-    return promote.promote(spec, outcomes)
-
-
-@task(name="notify", cache_policy=NO_CACHE, persist_result=False)
-def notify_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[dict[str, Any]]:
-    return notify.notify_promotions(spec, outcomes)
-
-
-@task(name="package", cache_policy=NO_CACHE, persist_result=False)
-def package_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> int:
-    """Triton model-repository entries for promoted TensorRT engines, logged to their runs."""
-    with tempfile.TemporaryDirectory(prefix="smelter-triton-") as tmp:
-        outcomes = [_with_engine_here(o, Path(tmp) / "engines") for o in outcomes]
-        packages = triton_repository.package_promoted(spec, outcomes, Path(tmp) / "repository")
-        for run_id, model_dir in packages.items():
-            tracking.log_directory(run_id, model_dir, f"triton/{model_dir.name}")
-    return len(packages)
-
-
-def _with_engine_here(outcome: CandidateOutcome, engines: Path) -> CandidateOutcome:
-    """A promoted TensorRT candidate built on another host, with its engine downloaded from its run."""
-    build = outcome.stages.get("build")
-    remote_engine = build is not None and triton_repository.serves(build.outputs) and not build.path.is_dir()
-    if outcome.status != "promoted" or not remote_engine:
-        return outcome
-    here = tracking.engine_dir(outcome, engines / outcome.run_id)
-    return dataclasses.replace(outcome, stages=outcome.stages | {"build": dataclasses.replace(build, path=here)})
 
 
 @flow(name="smelter-build", flow_run_name="{pipeline}-build")
@@ -345,10 +243,10 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
         build_parameters = {"file": file, "pipeline": pipeline, "precisions": precisions, "force": force,
                             "artifacts": artifacts, "allow_outside_paths": allow_outside_paths}
         missing = _build_everywhere(specs, spec, chosen, parent_run_id, build_parameters, pool)
-        judged = _Judging(spec, _joined(spec, candidates, parent_run_id, store, missing), champions)
+        judged = Judging(spec, _joined(spec, candidates, parent_run_id, store, missing), champions)
         for step in graph.judge_steps(spec, candidates):
-            if not judged.blocked.intersection(step.needs):
-                JUDGES[step.stage](judged, step)
+            judged = _judge(step, judged)
+        events.announce_promotions(judged.outcomes)
         outcomes, deliveries = judged.outcomes, judged.deliveries
         figure = _summary_figure(spec, outcomes, parent_run_id, store.root / TOOL_CACHES / summary_figure.DRAWN)
         for outcome in outcomes:
@@ -362,6 +260,25 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
     progress.message(f"{pipeline}: {counts}")
     return flow_end(counts, [o.summary() | {"events": _events_of(o, deliveries), "mlflow_parent_run_id": parent_run_id}
                              for o in outcomes])
+
+
+def _judge(step: graph.Step, judged: Judging) -> Judging:
+    """Run one judging step of the graph as a Prefect task named after its stage, unless a step it reads
+    failed; the line of each failure it records goes to the terminal."""
+    if judged.failed.intersection(step.needs):
+        return dataclasses.replace(judged, failed=judged.failed | {step.ref})
+    errors = {o.candidate.name: o.error for o in judged.outcomes}
+    act = task(step.judge, name=step.stage, cache_policy=NO_CACHE, persist_result=False)
+    judged = act.with_options(task_run_name=f"{step.node}/{step.stage}")(judged, step.node)
+    said = set()
+    for outcome in judged.outcomes:
+        if outcome.error and outcome.error != errors.get(outcome.candidate.name):
+            label = outcome.candidate.name if outcome.status == "failed" else "promotion"  # after it: one line
+            line = (label, outcome.failed_stage or step.stage, outcome.error.partition(": ")[2])
+            if line not in said:
+                said.add(line)
+                progress.stage_failed(*line)
+    return judged
 
 
 def flow_end(counts: str, summaries: list[dict[str, Any]]) -> State:
@@ -439,25 +356,3 @@ def _run_link(run_id: str | None) -> str:
         return tracking.run_url(run_id)
     except Exception:  # noqa: BLE001 - a link is a convenience; the run id is in the row
         return ""
-
-
-def _after_promotion(judged: _Judging, step: graph.Step, stage_task: Any) -> Any:
-    """Package or notify; returns what the task returned (None when it failed). The alias has moved by
-    now, so a failure here is reported on the promoted candidates without undoing their promotion; an
-    unsent event stays pending for the next run or `smelter notify --retry`."""
-    try:
-        return stage_task.with_options(task_run_name=f"{step.node}/{step.stage}")(judged.spec, judged.outcomes)
-    except Exception as e:  # noqa: BLE001 - see the docstring
-        progress.stage_failed("promotion", step.stage, f"{type(e).__name__}: {e}")
-        for outcome in judged.outcomes:
-            if outcome.status == "promoted":
-                outcome.failed_stage = step.stage
-                outcome.error = f"{step.stage} failed after promotion: {type(e).__name__}: {e}"
-        return None
-
-
-def _fail(outcome: CandidateOutcome, stage: str, error: Exception) -> None:
-    progress.stage_failed(outcome.candidate.name, stage, "".join(traceback.format_exception_only(error)).strip())
-    outcome.status = "failed"
-    outcome.failed_stage = stage
-    outcome.error = f"{stage} failed: {type(error).__name__}: {error}"

@@ -5,11 +5,11 @@ A candidate's chain depends on where its backend builds from (tasks/backends/tab
 precision → build → accuracy; a `torch` backend (Inductor) builds from the model's own files, so
 its chain is build → accuracy. A target's benchmark then measures all its built candidates.
 
-Then the judging steps, which produce no artifact and so have no key: they run on every run, since
-what they decide depends on the registry as it is now. Each candidate's gate (its accuracy and its
-target's benchmark, against the previous registered version), the pipeline's promote (every gate:
-each target's champion is chosen among its candidates, and its alias moves), package (Triton
-entries of promoted plans, where a target's backend builds them) and notify (the promotions' webhooks).
+Then the judging steps (tasks/judge/steps.py, each registered once), laid out by what they read: each
+candidate's gate (its accuracy and its target's benchmark, against the previous registered version), the
+pipeline's decide (every gate: each target's champion among its candidates), promote (the aliases move),
+package (Triton entries of promoted plans, where a target's backend builds them) and notify (the
+promotions' webhooks), with any judging stage another distribution registers in its place.
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from typing import Any
 from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.table import BACKENDS
 from tasks.config.spec import Candidate, PipelineSpec
+from tasks.judge import steps as judging
+from tasks.judge.steps import Judging, Ref
 from tasks.outcome import Champion
 from tasks.runtime.stage_runner import Work
 from tasks.runtime.store import ArtifactStore, StageResult
 from tasks.stages import accuracy, benchmark, build, export, precision, validate
-
-Ref = tuple[str, str]
-"""(stage, node): one stage output of a run, e.g. ("precision", "minilm/int8")."""
-
 
 @dataclass(frozen=True)
 class Step:
@@ -38,10 +36,10 @@ class Step:
     Args:
         stage: the stage it runs.
         node: what it is for (pipeline, pipeline/precision, candidate or pipeline/target).
-        needs: the outputs it is computed from, in the order `work` takes them.
-        work: the stage's description of this output, given the outputs it needs; None for a judging
-            step, which produces no artifact and runs every time.
+        needs: the outputs (or judging steps) it is computed from, in the order `work` takes them.
+        work: the stage's description of this output, given the outputs it needs; None for a judging step.
         target: the target it runs for (build, accuracy, benchmark, gate), whose backend may be missing here.
+        judge: a judging step's action (tasks/judge/steps.py), which produces no artifact and runs every time.
         reads: for a judging step, what it decides from (shown by `smelter plan`).
     """
 
@@ -50,11 +48,12 @@ class Step:
     needs: tuple[Ref, ...]
     work: Callable[..., Work] | None
     target: str | None = None
+    judge: Callable[[Judging, str], Judging] | None = None
     reads: str = ""
 
     @property
     def judges(self) -> bool:
-        return self.work is None
+        return self.judge is not None
 
     @property
     def ref(self) -> Ref:
@@ -115,27 +114,27 @@ def pipeline_steps(spec: PipelineSpec, candidates: list[Candidate],
 
 
 def judge_steps(spec: PipelineSpec, candidates: list[Candidate]) -> list[Step]:
-    """The steps that judge the measured candidates and act on the verdict, in running order."""
-    gates = [Step("gate", c.name, (("accuracy", c.name), ("benchmark", f"{spec.name}/{c.target}")), None, c.target,
-                  "accuracy and benchmark against the gates and the previous registered version")
-             for c in candidates]
-    promoted = Step("promote", spec.name, tuple(g.ref for g in gates), None,
-                    reads=f"the gates and each target's @{spec.promotion.alias} in the registry")
-    steps = [*gates, promoted]
-    if any(_packages_plans(spec, t) for t in dict.fromkeys(c.target for c in candidates)):
-        steps.append(Step("package", spec.name, (promoted.ref,), None, reads="promoted plans: Triton model entries"))
-    hooks = f"{len(spec.promotion.webhooks)} webhook{'s' * (len(spec.promotion.webhooks) != 1)}"
-    steps.append(Step("notify", spec.name, (promoted.ref,), None,
-                      reads=f"the promotions and earlier runs' pending events, for {hooks}"))
-    return steps
+    """The steps that judge the measured candidates and act on the verdict, in running order: every installed
+    judging stage that applies, one step per candidate or one for the pipeline, after the steps it reads."""
+    targets = list(dict.fromkeys(c.target for c in candidates))
+    judges = [j for j in judging.in_running_order(judging.installed()) if j.applies(spec, targets)]
+    reads = judging.reads_of(judges)
+    per = {"accuracy": "candidate", "benchmark": "target"} | {j.stage: j.per for j in judges}
 
+    def refs(stage: str, of: list[Candidate]) -> list[Ref]:
+        if per.get(stage) == "candidate":
+            return [(stage, c.name) for c in of]
+        if per.get(stage) == "target":
+            return [(stage, f"{spec.name}/{t}") for t in dict.fromkeys(c.target for c in of)]
+        return [(stage, spec.name)] if stage in per else []  # a stage that does not apply here: nothing to read
 
-def _packages_plans(spec: PipelineSpec, target_name: str) -> bool:
-    """Whether the target's backend builds plans that Triton serves (so promotion packages them)."""
-    try:
-        return bool(get_backend(spec.target(target_name).backend).triton_plan)
-    except BackendUnavailable:  # a plugin that cannot load here builds nothing here either
-        return False
+    laid = []
+    for judge in judges:
+        nodes = [(c.name, [c], c.target) for c in candidates] if judge.per == "candidate" else \
+            [(spec.name, candidates, None)]
+        laid += [Step(judge.stage, node, tuple(ref for stage in reads[judge.stage] for ref in refs(stage, of)), None,
+                      target, judge.act, judge.reads(spec)) for node, of, target in nodes]
+    return laid
 
 
 def unavailable(spec: PipelineSpec, target_name: str) -> str | None:

@@ -1,9 +1,10 @@
 """A backend from another distribution: installed beside smelter, found through its entry point, run.
 
-tests/data/toy_backend is a third party's package (one module, one `smelter.backends` entry point);
-nothing in tasks/ or flows/ names it. Installed into a temporary directory and put on PYTHONPATH,
-it is part of the schema, of `smelter validate`'s messages and of the README table, and a whole
-pipeline builds, judges and promotes its engine.
+tests/data/toy_backend is a third party's package (a backend and a judging step, a module and an entry
+point each); nothing in tasks/ or flows/ names them. Installed into a temporary directory and put on
+PYTHONPATH, the backend is part of the schema, of `smelter validate`'s messages and of the README table, the
+judging step is part of `smelter plan`'s graph, and a whole pipeline builds, judges and promotes its engine
+with the judging step run between smelter's gate and decide.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
 from tests.fixtures.models import write_pipelines
 
@@ -77,3 +79,16 @@ def test_a_pipeline_runs_through_an_installed_backend(plugin_env: dict[str, str]
     build = artifacts / "tiny" / "build" / candidate["stages"]["build"]["key"]
     manifest = json.loads((build / "manifest.json").read_text())
     assert manifest["outputs"]["backend"] == "toy" and (build / "model.onnx").is_file() and (build / "toy.json").is_file()
+
+    run = MlflowClient(plugin_env["MLFLOW_TRACKING_URI"]).get_run(candidate["mlflow_run_id"])
+    assert run.data.tags.get("toy.review") == "passed", "the plugin's step ran after the gate, before promotion"
+
+
+def test_an_installed_judging_step_takes_its_place_in_the_graph(plugin_env: dict[str, str], tiny_bert_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    path = write_pipelines(tmp_path, tiny_bert_dir, "feature-extraction", precisions=["fp32", "int8"],
+                           targets=[{"name": "toy", "backend": "toy", "threads": 1}])
+    planned = smelter(plugin_env, "plan", "-f", str(path), "--artifacts", str(tmp_path / "artifacts"))
+    assert planned.returncode == 0, planned.stderr
+    stages = [line.split()[1] for line in planned.stdout.splitlines() if line.split()[2:3] == ["always"]]
+    assert stages == ["gate", "gate", "toy-review", "toy-review", "decide", "promote", "notify"], planned.stdout

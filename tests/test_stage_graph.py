@@ -18,7 +18,7 @@ from tests.test_benchmark import busy_machine  # noqa: F401  (a fixture)
 from tests.test_store import flip
 
 STAGES = ("export", "validate", "precision", "build", "accuracy", "benchmark")
-JUDGING = ("gate", "promote", "notify")  # no key: they run on every run
+JUDGING = ("gate", "decide", "promote", "notify")  # no key: they run on every run
 
 
 def run_chain(spec: PipelineSpec, store: ArtifactStore) -> dict[str, StageResult]:
@@ -186,9 +186,7 @@ def test_plan_lists_the_stages_a_run_executes_with_a_torch_source_target(
 def test_the_graph_orders_every_stage_by_what_it_reads(pipeline_factory: Callable[..., Path],
                                                         tiny_bert_dir: Path) -> None:
     """Precision reads a validated export; each gate its accuracy and its target's benchmark; promote every
-    gate; package (plans only) and notify the promotion. The flow runs each judging stage the graph has."""
-    from flows.pipeline import JUDGES
-
+    gate through decide; package (plans only) and notify the promotion. Every judging step has its action."""
     path = pipeline_factory(tiny_bert_dir, "feature-extraction", precisions=["fp32", "fp16"], name="order",
                             targets=[{"name": "cpu", "backend": "onnxruntime"},
                                      {"name": "h100", "backend": "tensorrt", "arch": "sm90"}])
@@ -200,10 +198,26 @@ def test_the_graph_orders_every_stage_by_what_it_reads(pipeline_factory: Callabl
     assert ("validate", "order") in needs[("precision", "order/fp16")]
     gates = {("gate", c.name) for c in spec.candidates()}
     assert needs[("gate", "order/fp16/h100")] == {("accuracy", "order/fp16/h100"), ("benchmark", "order/h100")}
-    assert needs[("promote", "order")] == gates
+    assert needs[("decide", "order")] == gates and needs[("promote", "order")] == {("decide", "order")}
     assert needs[("package", "order")] == needs[("notify", "order")] == {("promote", "order")}
-    assert {s.stage for s in steps if s.judges} == set(JUDGES) and all(s.work is None for s in steps if s.judges)
+    judging = [s for s in steps if s.judges]
+    assert [s.stage for s in judging] == ["gate"] * len(gates) + ["decide", "promote", "package", "notify"]
+    assert all(s.work is None and callable(s.judge) for s in judging)
 
     cpu_only = load(pipeline_factory(tiny_bert_dir, "feature-extraction", name="cpu-only")).pipelines["cpu-only"]
     assert "package" not in {s.stage for s in graph.pipeline_steps(cpu_only, cpu_only.candidates())}, \
         "no target builds Triton plans, so nothing is packaged"
+
+
+def test_judging_stages_that_read_each_other_in_a_circle_are_refused() -> None:
+    from tasks.judge.steps import JUDGES, Judge, in_running_order
+
+    def keep(judging, node):
+        return judging
+
+    first = Judge("first", "pipeline", ("second",), keep, lambda spec: "")
+    second = Judge("second", "pipeline", ("gate",), keep, lambda spec: "", before=("first", "decide"))
+    ordered = [j.stage for j in in_running_order((*JUDGES, first, second))]
+    assert ordered.index("second") < ordered.index("first") and ordered.index("second") < ordered.index("decide")
+    with pytest.raises(ValueError, match="circle: .*first, second"):
+        in_running_order((*JUDGES, first, Judge("second", "pipeline", ("first",), keep, lambda spec: "")))
