@@ -98,6 +98,15 @@ class TargetSpec(Strict):
             return f"backend {self.backend} does not build {precision} (it builds {', '.join(self.precisions)})"
         return None
 
+    def model_problems(self, precision: str, config: Mapping[str, Any],
+                       decoder: bool) -> list[tuple[tuple[Any, ...], str]]:
+        """Why this target cannot build `precision` of the model whose config.json is `config` (`decoder`: its
+        task generates text), each as (where, why): `where` a key path inside this target, e.g.
+        ("fp8_exclude", 0), or () for the precision itself. `smelter validate` asks each target of the
+        precisions it builds, before any work: a rule that holds for some models only is its backend's own
+        (Inductor builds fp8 for Llama-family decoders alone), never another backend's."""
+        return []
+
 
 class Runner(abc.ABC):
     """A loaded engine. Feeds and outputs are keyed by the ONNX tensor names.
