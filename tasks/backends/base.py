@@ -26,6 +26,13 @@ if TYPE_CHECKING:
     from tasks.config.profiles import ProfileSpec
 
 
+GRAPHS = {"neutral": "model.onnx", "cpu": "model.cpu.onnx"}
+"""The graphs the precision stage writes, by name, with their file: `neutral` for every precision (fp32 as
+exported, fp16 with Cast nodes, int8 with Q/DQ nodes in TensorRT's dialect: symmetric S8, per-channel weights),
+`cpu` for int8 alone (ONNX Runtime's own fusions, then quantized the way its x86 kernels are fast). It writes
+only those that the pipeline's targets build from."""
+
+
 class BackendUnavailable(RuntimeError):
     """The backend's runtime is not installed or this machine cannot run the target."""
 
@@ -53,6 +60,9 @@ class TargetSpec(Strict):
     """The precisions it can build, a subset of tasks.config.bounds.PRECISIONS."""
     implementation: ClassVar[str]
     """`module:Class` of its `Backend`, imported on first use (settings load without the runtime)."""
+    graphs: ClassVar[dict[str, str]] = {}
+    """An `onnx` source's graph (a name of GRAPHS) for each precision it does not build from `neutral`,
+    e.g. {"int8": "cpu"}."""
     precision_settings: ClassVar[dict[str, tuple[str, ...]]] = {}
     """Settings only one precision's builds read: left out of other precisions' keys, and idle when
     that precision is not built."""
@@ -86,6 +96,10 @@ class TargetSpec(Strict):
         """The settings an engine of `precision` depends on (what its build key hashes)."""
         other = {key for p, keys in self.precision_settings.items() if p != precision for key in keys}
         return self.model_dump(mode="json", exclude=other or None)
+
+    def source_graph(self, precision: str) -> str:
+        """The precision stage's graph (a name of GRAPHS) this target's engine of `precision` builds from."""
+        return self.graphs.get(precision, "neutral")
 
     def calibrates(self, precision: str) -> bool:
         """Whether this target's build of `precision` reads the calibration text itself (the int8 ONNX
@@ -146,8 +160,8 @@ class Runner(abc.ABC):
 class Backend(abc.ABC):
     """Builds engines for one kind of target and loads them back as runners.
 
-    An `onnx`-source backend implements `build` (and `source_model` when it reads another graph
-    than model.onnx); a `torch`-source one implements `build_from_model`.
+    An `onnx`-source backend implements `build` (from the graph its target names in `source_graph`);
+    a `torch`-source one implements `build_from_model`.
     """
 
     name: str
@@ -170,9 +184,11 @@ class Backend(abc.ABC):
     def hardware(self, target: TargetSpec) -> dict[str, Any]:
         """Facts about this machine that an engine is tied to (CPU ISA, compute capability); part of the key."""
 
-    def source_model(self, precision_dir: Path) -> Path:
-        """Which of the precision stage's ONNX files this backend builds from."""
-        return precision_dir / "model.onnx"
+    def int8_products(self, target: TargetSpec) -> str:
+        """How the processor running `target`'s engines adds int8 products: `exact` (in 32 bits) or `saturating`
+        (pairs summed into 16 bits, as x86 without VNNI does). Asked by the precision stage for the int8 `cpu`
+        graph this backend builds from: for a saturating processor it quantizes that graph with 7-bit weights."""
+        return "exact"
 
     def build(self, onnx_path: Path, target: TargetSpec, profiles: list[ProfileSpec], out_dir: Path,
               cache_dir: Path) -> dict[str, Any]:
