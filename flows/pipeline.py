@@ -28,9 +28,8 @@ from prefect.states import Completed, Failed, State
 from flows import events, fleet, prefect_outcome, progress
 from flows.stages import run_step
 from tasks import graph
-from tasks.backends.tensorrt import triton_repository
 from tasks.config.spec import Candidate, PipelineSpec, PipelinesFile, load, point_words
-from tasks.judge import decide, gates, notify, promote, summary_figure
+from tasks.judge import decide, gates, notify, promote, serving, summary_figure
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion, pending_events, tally
 from tasks.registry import tracking
@@ -219,7 +218,7 @@ def package_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> int:
     """Triton model-repository entries for promoted TensorRT engines, logged to their runs."""
     with tempfile.TemporaryDirectory(prefix="smelter-triton-") as tmp:
         outcomes = [_with_engine_here(o, Path(tmp) / "engines") for o in outcomes]
-        packages = triton_repository.package_promoted(spec, outcomes, Path(tmp) / "repository")
+        packages = serving.package_promoted(spec, outcomes, Path(tmp) / "repository")
         for run_id, model_dir in packages.items():
             tracking.log_directory(run_id, model_dir, f"triton/{model_dir.name}")
     return len(packages)
@@ -228,7 +227,7 @@ def package_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> int:
 def _with_engine_here(outcome: CandidateOutcome, engines: Path) -> CandidateOutcome:
     """A promoted TensorRT candidate built on another host, with its engine downloaded from its run."""
     build = outcome.stages.get("build")
-    remote_engine = build is not None and triton_repository.serves(build.outputs) and not build.path.is_dir()
+    remote_engine = build is not None and serving.serves(build.outputs) and not build.path.is_dir()
     if outcome.status != "promoted" or not remote_engine:
         return outcome
     here = tracking.engine_dir(outcome, engines / outcome.run_id)

@@ -8,8 +8,8 @@ its chain is build → accuracy. A target's benchmark then measures all its buil
 Then the judging steps, which produce no artifact and so have no key: they run on every run, since
 what they decide depends on the registry as it is now. Each candidate's gate (its accuracy and its
 target's benchmark, against the previous registered version), the pipeline's promote (every gate:
-each target's champion is chosen among its candidates, and its alias moves), package (Triton
-entries of promoted plans, where a target's backend builds them) and notify (the promotions' webhooks).
+each target's champion is chosen among its candidates, and its alias moves), package (serving packages
+of promoted engines, where a target's backend declares one) and notify (the promotions' webhooks).
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def judge_steps(spec: PipelineSpec, candidates: list[Candidate]) -> list[Step]:
                     reads=f"the gates and each target's @{spec.promotion.alias} in the registry")
     steps = [*gates, promoted]
     if any(_packages_plans(spec, t) for t in dict.fromkeys(c.target for c in candidates)):
-        steps.append(Step("package", spec.name, (promoted.ref,), None, reads="promoted plans: Triton model entries"))
+        steps.append(Step("package", spec.name, (promoted.ref,), None,
+                          reads="promoted engines: serving packages (Triton entries of TensorRT plans)"))
     hooks = f"{len(spec.promotion.webhooks)} webhook{'s' * (len(spec.promotion.webhooks) != 1)}"
     steps.append(Step("notify", spec.name, (promoted.ref,), None,
                       reads=f"the promotions and earlier runs' pending events, for {hooks}"))
@@ -131,11 +132,8 @@ def judge_steps(spec: PipelineSpec, candidates: list[Candidate]) -> list[Step]:
 
 
 def _packages_plans(spec: PipelineSpec, target_name: str) -> bool:
-    """Whether the target's backend builds plans that Triton serves (so promotion packages them)."""
-    try:
-        return bool(get_backend(spec.target(target_name).backend).triton_plan)
-    except BackendUnavailable:  # a plugin that cannot load here builds nothing here either
-        return False
+    """Whether the target's backend packages its promoted engines for serving (TargetSpec.serving)."""
+    return spec.target(target_name).serving is not None
 
 
 def unavailable(spec: PipelineSpec, target_name: str) -> str | None:

@@ -2,8 +2,8 @@
 
 tests/data/toy_backend is a third party's package (one module, one `smelter.backends` entry point);
 nothing in tasks/ or flows/ names it. Installed into a temporary directory and put on PYTHONPATH,
-it is part of the schema, of `smelter validate`'s messages and of the README table, and a whole
-pipeline builds, judges and promotes its engine.
+it is part of the schema, of `smelter validate`'s messages and of the README table, its serving
+package joins the plan, and a whole pipeline builds, judges, promotes and packages its engine.
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ def test_an_installed_backend_joins_the_schema_the_messages_and_the_table(plugin
     checked = smelter(plugin_env, "validate", "-f", str(path))
     assert checked.returncode == 0, checked.stderr
     assert "skipped: tiny/fp16/toy: backend toy does not build fp16 (it builds fp32, int8)" in checked.stderr
+    planned = smelter(plugin_env, "plan", "-f", str(path), "--artifacts", str(tmp_path / "artifacts"))
+    assert planned.returncode == 0, planned.stderr
+    assert [line.split()[:2] for line in planned.stdout.splitlines() if " package " in line] == [["tiny", "package"]]
 
 
 @pytest.mark.slow
@@ -77,3 +80,8 @@ def test_a_pipeline_runs_through_an_installed_backend(plugin_env: dict[str, str]
     build = artifacts / "tiny" / "build" / candidate["stages"]["build"]["key"]
     manifest = json.loads((build / "manifest.json").read_text())
     assert manifest["outputs"]["backend"] == "toy" and (build / "model.onnx").is_file() and (build / "toy.json").is_file()
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(plugin_env["MLFLOW_TRACKING_URI"])
+    packaged = client.list_artifacts(candidate["mlflow_run_id"], f"triton/tiny/{candidate['model_version']}")
+    assert [a.path for a in packaged] == [f"triton/tiny/{candidate['model_version']}/model.onnx"]  # its serving hook's

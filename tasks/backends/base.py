@@ -63,6 +63,10 @@ class TargetSpec(Strict):
     graphs: ClassVar[dict[str, str]] = {}
     """An `onnx` source's graph (a name of GRAPHS) for each precision it does not build from `neutral`,
     e.g. {"int8": "cpu"}."""
+    serving: ClassVar[str | None] = None
+    """`module:function` that lays its promoted engines out as a serving package (TensorRT's: a Triton model
+    repository entry), imported on use; None: its engines are not packaged. tasks/judge/serving.py calls it as
+    `function(out_dir, model_name, engine_dirs, benchmark_points, slo_ms, version) -> the package's directory`."""
     precision_settings: ClassVar[dict[str, tuple[str, ...]]] = {}
     """Settings only one precision's builds read: left out of other precisions' keys, and idle when
     that precision is not built."""
@@ -167,10 +171,8 @@ class Backend(abc.ABC):
     name: str
     engine_file: str
     compares_three_way: ClassVar[bool] = False
-    """Whether accuracy records FP32 ONNX vs precision ONNX vs engine for its engines, to say whether an
-    error comes from the graph or from the builder."""
-    triton_plan: ClassVar[bool] = False
-    """Whether its engine file is a plan Triton's TensorRT platform serves (what Triton packaging takes)."""
+    """Whether accuracy records FP32 ONNX vs the precision graph its engine was built from vs the engine (an
+    `onnx` source only), to say whether an error comes from the graph or from the builder."""
 
     @abc.abstractmethod
     def missing(self, target: TargetSpec) -> str | None:
