@@ -7,7 +7,8 @@ ONNX Runtime. When they fail, each quantized node's sensitivity is measured in o
 own quantization adds (its int8 output vs the same op in float on the int8 graph's own inputs). The
 most sensitive nodes are then kept in float one at a time, re-quantizing from the cached calibration
 ranges, until the gates pass or quantization.accuracy_fallback.max_float_share of the quantizable
-nodes is float. The exclusions go to every int8 graph (TensorRT's Q/DQ one and the CPU one).
+nodes is float. It measures the neutral Q/DQ graph (quantized into scratch where no target builds from it);
+the exclusions go to every int8 graph the stage writes (TensorRT's Q/DQ one, the CPU one).
 """
 
 from __future__ import annotations
