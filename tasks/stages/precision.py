@@ -40,6 +40,8 @@ from tasks.stages.qdq_lint import check_qdq
 if TYPE_CHECKING:
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod
 
+    from tasks.stages.int8_fallback import FallbackConfig
+
 STAGE = "precision"
 TOOLS = ("onnx", "onnxruntime")
 # what the stage computes: part of the key
@@ -63,15 +65,15 @@ WRITABLE = {"fp32": ("neutral",), "fp16": ("neutral",), "int8": ("neutral", "cpu
 class PrecisionConfig:
     """What the precision stage reads of a pipeline for one precision: the pipeline's name (for messages), the
     graphs its targets build from (`graphs`, names of tasks.backends.base.GRAPHS) and, for int8 only,
-    `quantization:` and the calibration feeds, plus the pipeline itself when quantization.accuracy_fallback is
-    set (tasks/stages/int8_fallback.py reads its model and accuracy gates). fp32 and fp16 read nothing else:
-    their key is the export's and the precision."""
+    `quantization:` and the calibration feeds, plus what the accuracy fallback reads when
+    quantization.accuracy_fallback is set (tasks/stages/int8_fallback.py FallbackConfig). fp32 and fp16 read
+    nothing else: their key is the export's and the precision."""
 
     pipeline: str
     precision: str
     quantization: QuantizationSpec | None = None
     calibration: CalibrationSource | None = None
-    fallback: PipelineSpec | None = None
+    fallback: FallbackConfig | None = None
     graphs: tuple[str, ...] = ("neutral",)
     # How the CPU running the `cpu` graph adds int8 products (Backend.int8_products): a CPU graph made for one
     # that saturates has 7-bit weights, so the choice is part of the key. None without a `cpu` graph.
@@ -79,45 +81,46 @@ class PrecisionConfig:
 
     @classmethod
     def of(cls, spec: PipelineSpec, precision: str) -> PrecisionConfig:
-        graphs = source_graphs(spec, precision)
+        built = {c.target for c in spec.candidates() if c.precision == precision}
+        targets = [t for t in spec.targets if t.name in built and BACKENDS[t.backend].source == "onnx"]
+        graphs = source_graphs(spec.name, precision, targets)
         if precision != "int8":
             return cls(spec.name, precision, graphs=graphs)
-        fallback = spec if spec.quantization.accuracy_fallback is not None else None
-        return cls(spec.name, precision, spec.quantization, CalibrationSource.of(spec), fallback, graphs,
-                   cpu_int8_products(spec) if "cpu" in graphs else None)
+        from tasks.stages.int8_fallback import FallbackConfig
+
+        fallback = FallbackConfig.of(spec) if spec.quantization.accuracy_fallback is not None else None
+        cpu_targets = [t for t in targets if t.source_graph("int8") == "cpu"]
+        products = cpu_int8_products(cpu_targets) if cpu_targets else None
+        return cls(spec.name, precision, spec.quantization, CalibrationSource.of(spec), fallback, graphs, products)
 
 
-def source_graphs(spec: PipelineSpec, precision: str) -> tuple[str, ...]:
-    """The graphs of `precision` the pipeline's targets build from (the neutral one where none does: a caller
-    that runs the stage alone), in GRAPHS order; an error naming the target that asks for one not written."""
+def source_graphs(pipeline: str, precision: str, targets: list[TargetSpec]) -> tuple[str, ...]:
+    """The graphs of `precision` that `targets` (those building it from this stage's graphs) build from, in GRAPHS
+    order, the neutral one where none does (a caller that runs the stage alone); an error naming a target that
+    asks for a graph this stage does not write."""
+    writable = WRITABLE.get(precision, ("neutral",))
     wanted = set()
-    for target in _onnx_targets(spec, precision):
+    for target in targets:
         graph = target.source_graph(precision)
-        if graph not in WRITABLE.get(precision, ("neutral",)):
-            raise ValueError(f"pipeline {spec.name}: target {target.name} (backend {target.backend}) builds "
-                             f"{precision} from graph {graph!r}; the precision stage writes "
-                             f"{', '.join(WRITABLE.get(precision, ('neutral',)))} for {precision}")
+        if graph not in writable:
+            raise ValueError(f"pipeline {pipeline}: target {target.name} (backend {target.backend}) builds "
+                             f"{precision} from graph {graph!r}; the precision stage writes {', '.join(writable)} "
+                             f"for {precision}")
         wanted.add(graph)
     return tuple(g for g in GRAPHS if g in wanted) or ("neutral",)
 
 
-def cpu_int8_products(spec: PipelineSpec) -> str:
-    """`saturating` if any backend building from the int8 `cpu` graph says its CPU's int8 products saturate
-    (7-bit weights are exact on every CPU), else `exact`. A backend that cannot load here builds nothing here."""
+def cpu_int8_products(targets: list[TargetSpec]) -> str:
+    """`saturating` if the backend of any of `targets` (those building from the int8 `cpu` graph) says its CPU's
+    int8 products saturate (7-bit weights are exact on every CPU), else `exact`. A backend that cannot load here
+    builds nothing here."""
     answers = set()
-    for target in _onnx_targets(spec, "int8"):
-        if target.source_graph("int8") == "cpu":
-            try:
-                answers.add(get_backend(target.backend).int8_products(target))
-            except BackendUnavailable:
-                continue
+    for target in targets:
+        try:
+            answers.add(get_backend(target.backend).int8_products(target))
+        except BackendUnavailable:
+            continue
     return "saturating" if "saturating" in answers else "exact"
-
-
-def _onnx_targets(spec: PipelineSpec, precision: str) -> list[TargetSpec]:
-    """The targets that build `precision` from the precision stage's graphs."""
-    built = {c.target for c in spec.candidates() if c.precision == precision}
-    return [t for t in spec.targets if t.name in built and BACKENDS[t.backend].source == "onnx"]
 
 
 def precision_key(export_result: StageResult, spec: PipelineSpec, precision: str) -> str:
@@ -163,9 +166,7 @@ def _settings(config: PrecisionConfig) -> dict[str, Any]:
         if "cpu" in config.graphs:
             settings["cpu_int8_products"] = config.cpu_int8_products
         if config.fallback is not None:  # the fallback aims at these gates
-            from tasks.stages.int8_fallback import gated_metrics
-
-            settings["fallback_gates"] = gated_metrics(config.fallback)
+            settings["fallback_gates"] = config.fallback.gates
     return settings
 
 
