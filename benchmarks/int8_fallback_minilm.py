@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from tasks.backends.tensorrt.target import TensorRTTarget
 from tasks.config.spec import AccuracyFallbackSpec, load
 from tasks.runtime.store import ArtifactStore
 from tasks.stages.accuracy import cosine, mean_pool
@@ -55,7 +56,8 @@ def main() -> int:
     spec = load(args.file, check_env=False).pipelines[args.pipeline]
     quant = spec.quantization.model_copy(update={"exclude_nodes": [],
                                                  "accuracy_fallback": AccuracyFallbackSpec(max_float_share=args.share)})
-    spec = spec.model_copy(update={"quantization": quant})
+    both_graphs = [*spec.targets, TensorRTTarget(name="sm90", backend="tensorrt", arch="sm90")]  # Q/DQ and CPU int8
+    spec = spec.model_copy(update={"quantization": quant, "targets": both_graphs})
     with tempfile.TemporaryDirectory() as scratch:
         store = ArtifactStore(args.artifacts or scratch)
         exported = run_export(spec, store)

@@ -1,5 +1,6 @@
 """Check the import graph of tasks/ and flows/: no circle, no upward import, each folder of tasks/ importing
-only what its __init__.py allows, mlflow imported by tasks/registry/ alone, schema within its size.
+only what its __init__.py allows, a backend's package imported from within it alone, mlflow imported by
+tasks/registry/ alone, schema within its size.
 
 A circle (the schema calling preflight, which imports the schema) makes every module on it load,
 test and change together; `tasks` importing `flows` puts the orchestration under the work it
@@ -164,6 +165,17 @@ def folder_problems(edges: dict[str, set[str]]) -> list[str]:
     return found
 
 
+def backend_package_problems(edges: dict[str, set[str]], root: Path) -> list[str]:
+    """Every import of a backend's own package (tasks/backends/<name>/) from outside it: the rest of smelter
+    reaches a backend through what it declares (tasks/backends/base.py, table.py), so a plugin's backend can do
+    all that a built-in one does."""
+    packages = {f"tasks.backends.{p.parent.name}" for p in (root / "tasks" / "backends").glob("*/__init__.py")}
+    return [f"{name} imports {target}: a backend's package is imported by itself alone; the rest of smelter asks "
+            "the backend through tasks/backends/base.py (TargetSpec, Backend)"
+            for name, targets in sorted(edges.items()) for target in sorted(targets)
+            for package in sorted(packages) if _within(target, package) and not _within(name, package)]
+
+
 def problems(root: Path) -> list[str]:
     """Every rule the tree breaks, one sentence each."""
     edges = graph(root)
@@ -173,7 +185,7 @@ def problems(root: Path) -> list[str]:
         found += [f"{name} imports {target}: {importer}/ must not import {imported}/"
                   for name, targets in sorted(edges.items()) if name.split(".")[0] == importer
                   for target in sorted(targets) if target.split(".")[0] == imported]
-    found += folder_problems(edges)
+    found += folder_problems(edges) + backend_package_problems(edges, root)
     top = sorted(p.name for p in (root / "tasks").glob("*.py") if p.name != "__init__.py")
     if len(top) > TOP_LEVEL_MODULES:
         found.append(f"tasks/ holds {len(top)} modules at its top level, over {TOP_LEVEL_MODULES}: put each in the "

@@ -8,8 +8,8 @@ its chain is build → accuracy. A target's benchmark then measures all its buil
 Then the judging steps (tasks/judge/steps.py, each registered once), laid out by what they read: each
 candidate's gate (its accuracy and its target's benchmark, against the previous registered version), the
 pipeline's decide (every gate: each target's champion among its candidates), promote (the aliases move),
-package (Triton entries of promoted plans, where a target's backend builds them) and notify (the
-promotions' webhooks), with any judging stage another distribution registers in its place.
+package (serving packages of promoted engines, where a target's backend declares one) and notify
+(the promotions' webhooks), with any judging stage another distribution registers in its place.
 """
 
 from __future__ import annotations

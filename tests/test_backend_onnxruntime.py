@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx.reference import ReferenceEvaluator
 
-from tasks.backends.base import BackendUnavailable, get_backend
+from tasks.backends.base import BackendUnavailable
 from tasks.backends.onnxruntime.backend import SIDECAR, OnnxRuntimeBackend, cpu_isa
 from tasks.config.spec import OnnxRuntimeTarget
 from tests.fixtures.onnx_graphs import write_mlp
@@ -79,12 +79,8 @@ def test_optimization_level_zero_keeps_the_graph(tmp_path: Path) -> None:
     assert [n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node] == ["MatMul", "Add", "Relu", "MatMul"]
 
 
-def test_int8_cpu_graph_is_preferred_when_present(tmp_path: Path) -> None:
-    backend = get_backend("onnxruntime")
-    (tmp_path / "model.onnx").write_bytes(b"")
-    assert backend.source_model(tmp_path) == tmp_path / "model.onnx"
-    (tmp_path / "model.cpu.onnx").write_bytes(b"")
-    assert backend.source_model(tmp_path) == tmp_path / "model.cpu.onnx"
+def test_int8_builds_from_the_cpu_graph_and_the_other_precisions_from_the_neutral_one() -> None:
+    assert [CPU.source_graph(p) for p in ("fp32", "fp16", "int8")] == ["neutral", "neutral", "cpu"]
 
 
 def test_cpu_isa_reads_arm_features(tmp_path: Path) -> None:

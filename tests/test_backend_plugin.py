@@ -2,9 +2,9 @@
 
 tests/data/toy_backend is a third party's package (a backend and a judging step, a module and an entry
 point each); nothing in tasks/ or flows/ names them. Installed into a temporary directory and put on
-PYTHONPATH, the backend is part of the schema, of `smelter validate`'s messages and of the README table, the
-judging step is part of `smelter plan`'s graph, and a whole pipeline builds, judges and promotes its engine
-with the judging step run between smelter's gate and decide.
+PYTHONPATH, the backend is part of the schema, of `smelter validate`'s messages and of the README table, its
+serving package and the judging step join the plan, and a whole pipeline builds, judges, promotes and
+packages its engine, with the judging step run between smelter's gate and decide.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ def test_an_installed_backend_joins_the_schema_the_messages_and_the_table(plugin
     checked = smelter(plugin_env, "validate", "-f", str(path))
     assert checked.returncode == 0, checked.stderr
     assert "skipped: tiny/fp16/toy: backend toy does not build fp16 (it builds fp32, int8)" in checked.stderr
+    planned = smelter(plugin_env, "plan", "-f", str(path), "--artifacts", str(tmp_path / "artifacts"))
+    assert planned.returncode == 0, planned.stderr
+    assert [line.split()[:2] for line in planned.stdout.splitlines() if " package " in line] == [["tiny", "package"]]
 
 
 @pytest.mark.slow
@@ -79,8 +82,11 @@ def test_a_pipeline_runs_through_an_installed_backend(plugin_env: dict[str, str]
     build = artifacts / "tiny" / "build" / candidate["stages"]["build"]["key"]
     manifest = json.loads((build / "manifest.json").read_text())
     assert manifest["outputs"]["backend"] == "toy" and (build / "model.onnx").is_file() and (build / "toy.json").is_file()
+    client = MlflowClient(plugin_env["MLFLOW_TRACKING_URI"])
+    packaged = client.list_artifacts(candidate["mlflow_run_id"], f"triton/tiny/{candidate['model_version']}")
+    assert [a.path for a in packaged] == [f"triton/tiny/{candidate['model_version']}/model.onnx"]  # its serving hook's
 
-    run = MlflowClient(plugin_env["MLFLOW_TRACKING_URI"]).get_run(candidate["mlflow_run_id"])
+    run = client.get_run(candidate["mlflow_run_id"])
     assert run.data.tags.get("toy.review") == "passed", "the plugin's step ran after the gate, before promotion"
 
 
@@ -91,4 +97,4 @@ def test_an_installed_judging_step_takes_its_place_in_the_graph(plugin_env: dict
     planned = smelter(plugin_env, "plan", "-f", str(path), "--artifacts", str(tmp_path / "artifacts"))
     assert planned.returncode == 0, planned.stderr
     stages = [line.split()[1] for line in planned.stdout.splitlines() if line.split()[2:3] == ["always"]]
-    assert stages == ["gate", "gate", "toy-review", "toy-review", "decide", "promote", "notify"], planned.stdout
+    assert stages == ["gate", "gate", "toy-review", "toy-review", "decide", "promote", "package", "notify"], planned.stdout

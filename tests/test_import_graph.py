@@ -1,6 +1,6 @@
 """The layering rules of tasks/ and flows/, read from the source: no import circle (TYPE_CHECKING imports
 counted), nothing in tasks/ importing flows/, each folder of tasks/ importing only what its __init__.py
-allows, at most ten modules at the top of tasks/, the schema within its size. The checker is shown to catch
+allows, a backend's package imported from within it alone, at most ten modules at the top of tasks/, the schema within its size. The checker is shown to catch
 each rule on a tree that breaks it, so a pass on the repository means something."""
 
 from __future__ import annotations
@@ -70,6 +70,30 @@ def test_each_folder_imports_only_what_its_rule_allows_type_checking_imports_inc
         "tasks.runtime.store imports tasks.config.spec: tasks/runtime may import only itself of tasks/",
         "tasks.stages.benchmark imports tasks.judge.gates: tasks/stages may import only tasks/runtime, "
         "tasks/measure, tasks/config, tasks/backends, tasks/registry, tasks/outcome, tasks/metrics of tasks/"]
+
+
+def test_a_backends_package_is_imported_from_within_it_alone(tmp_path: Path) -> None:
+    """The core asks a backend through the interface; a backend's own modules are its business (a plugin's are
+    out of reach anyway)."""
+    root = _tree(tmp_path, {
+        "tasks/backends/__init__.py": "",
+        "tasks/backends/base.py": "",
+        "tasks/backends/fast/__init__.py": "",
+        "tasks/backends/fast/target.py": "from tasks.backends.base import TargetSpec\n",
+        "tasks/backends/fast/rules.py": "from tasks.backends.fast import target\n",
+        "tasks/backends/slow/__init__.py": "",
+        "tasks/backends/slow/backend.py": "from tasks.backends.fast.rules import RULE\n",
+        "tasks/config/__init__.py": "",
+        "tasks/config/preflight.py": "def check():\n    from tasks.backends.fast import rules\n",
+        "flows/__init__.py": "",
+        "flows/pipeline.py": "from tasks.backends.base import Backend\nfrom tasks.backends.slow.backend import X\n",
+    })
+    assert import_graph.problems(root) == [
+        f"{name} imports {target}: a backend's package is imported by itself alone; the rest of smelter asks the "
+        "backend through tasks/backends/base.py (TargetSpec, Backend)"
+        for name, target in (("flows.pipeline", "tasks.backends.slow.backend"),
+                             ("tasks.backends.slow.backend", "tasks.backends.fast.rules"),
+                             ("tasks.config.preflight", "tasks.backends.fast.rules"))]
 
 
 def test_more_than_ten_modules_at_the_top_of_tasks_are_refused(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import yaml
 from transformers import BertConfig, BertModel
 
 from tasks.config import spec as spec_module
-from tasks.runtime.store import ArtifactStore
+from tasks.runtime.store import ArtifactStore, file_digest
 from tasks.stages.accuracy import cosine, mean_pool
 from tasks.stages.export import run_export
 from tasks.stages.inputs import encoder_feeds, read_texts
@@ -58,7 +58,7 @@ def _spec(root: Path, model_dir: Path, **quantization: object) -> spec_module.Pi
         "model": {"path": str(model_dir), "task": "feature-extraction"},
         "profiles": [{"batch": [1, 4, 8], "seq": [8, 32, 32]}],
         "precisions": ["fp32", "int8"],
-        "targets": [{"name": "cpu", "backend": "onnxruntime"}],
+        "targets": [{"name": "cpu", "backend": "onnxruntime"}, {"name": "sm90", "backend": "tensorrt", "arch": "sm90"}],
         "quantization": quantization,
         "calibration": {"data": "data/calibration.txt", "samples": 32, "seq_len": 32, "batch_size": 8},
         "accuracy": {"data": "data/eval.txt", "seq_len": 32, "gates": {"cosine_mean": {"min": 0.99}}},
@@ -128,6 +128,16 @@ def test_kept_nodes_are_float_in_both_int8_graphs(built) -> None:
         assert kept, name
         for node in kept:
             assert not {"DequantizeLinear", "DynamicQuantizeLinear"} & {producer.get(i) for i in node.input}, name
+
+
+def test_a_cpu_only_pipeline_keeps_the_same_nodes_float_without_publishing_the_qdq_graph(built, tmp_path: Path) -> None:
+    """The fallback measures the Q/DQ graph even where no target builds from it (quantized into scratch)."""
+    exported, _, fallback, spec = built
+    cpu_only = spec.model_copy(update={"targets": [t for t in spec.targets if t.backend == "onnxruntime"]})
+    alone = run_precision(cpu_only, exported, "int8", ArtifactStore(tmp_path))
+    assert not alone.file(MODEL_FILE).exists()
+    assert alone.outputs["accuracy_fallback"]["kept"] == fallback.outputs["accuracy_fallback"]["kept"]
+    assert file_digest(alone.file(CPU_MODEL_FILE)) == file_digest(fallback.file(CPU_MODEL_FILE))
 
 
 def test_a_budget_too_small_is_recorded_as_not_passing(built, outlier_bert_dir: Path, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from onnx import numpy_helper
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from tasks.backends.onnxruntime.backend import int8_products
+from tasks.backends.tensorrt.target import TensorRTTarget
 from tasks.config import spec as spec_module
 from tasks.runtime.stage_runner import run_stage
 from tasks.runtime.store import ArtifactStore
@@ -81,12 +82,12 @@ def bert_int8(tiny_bert_dir: Path, tmp_path_factory: pytest.TempPathFactory):
                 "benchmark": {"batch_sizes": [1, 2], "seq_lens": [16]}}
     (root / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"tiny": pipeline}}))
     spec = spec_module.load(root / "pipelines.yaml").pipelines["tiny"]
-    return PrecisionConfig.of(spec, "int8"), run_export(spec, ArtifactStore(root / "artifacts"))
+    return PrecisionConfig.of(spec, "int8"), run_export(spec, ArtifactStore(root / "artifacts")), spec
 
 
 def test_the_precision_stage_writes_7_bit_weights_for_a_saturating_cpu(bert_int8, tmp_path: Path) -> None:
     """The same export and calibration, one CPU graph per way of adding products, each under its own key."""
-    config, exported = bert_int8
+    config, exported, _ = bert_int8
     results = {}
     for products in ("exact", "saturating"):
         work = precision_work(dataclasses.replace(config, cpu_int8_products=products), exported)
@@ -98,3 +99,14 @@ def test_the_precision_stage_writes_7_bit_weights_for_a_saturating_cpu(bert_int8
         assert weights, f"{products}: the CPU graph has no int8 weights"
         assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) == widest, products
         assert results[products].outputs["cpu_weight_bits"] == (7 if products == "saturating" else 8)
+
+
+def test_a_gpu_only_int8_key_does_not_depend_on_how_a_cpu_adds_products(bert_int8) -> None:
+    """How a CPU adds int8 products is asked of the backends that build from the CPU graph: a pipeline of
+    TensorRT targets has none, so its int8 graph and key are the same whichever host calibrates it."""
+    _, exported, spec = bert_int8
+    gpu_only = spec.model_copy(update={"targets": [TensorRTTarget(name="sm90", backend="tensorrt", arch="sm90")]})
+    config = PrecisionConfig.of(gpu_only, "int8")
+    keys = {precision_work(dataclasses.replace(config, cpu_int8_products=products), exported).key
+            for products in ("exact", "saturating")}
+    assert len(keys) == 1

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tasks.config import spec as spec_module
-from tasks.runtime.store import ArtifactStore
+from tasks.runtime.store import ArtifactStore, file_digest
 from tasks.stages.export import run_export
 from tasks.stages.inputs import encoder_feeds, read_texts
 from tasks.stages.models import ModelSource, load_tokenizer
@@ -37,7 +37,7 @@ def _write_spec(root: Path, model_dir: Path, **quantization: object) -> spec_mod
         "model": {"path": str(model_dir), "task": "feature-extraction"},
         "profiles": [{"batch": [1, 2, 4], "seq": [8, 16, 32]}],
         "precisions": ["fp32", "fp16", "int8"],
-        "targets": [{"name": "cpu", "backend": "onnxruntime"}],
+        "targets": [{"name": "cpu", "backend": "onnxruntime"}, {"name": "sm90", "backend": "tensorrt", "arch": "sm90"}],
         "quantization": {"exclude_nodes": [EXCLUDED], **quantization},
         "calibration": {"data": "data/calibration.txt", "samples": 16, "seq_len": 32, "batch_size": 4},
         "accuracy": {"data": "data/eval.txt", "seq_len": 32},
@@ -50,7 +50,8 @@ def _write_spec(root: Path, model_dir: Path, **quantization: object) -> spec_mod
 
 @pytest.fixture(scope="module")
 def bert(tiny_bert_dir, tmp_path_factory):
-    """One tiny-BERT export and its fp32/fp16/int8 precision outputs, shared by the tests below."""
+    """One tiny-BERT export and its fp32/fp16/int8 precision outputs (for a CPU and a TensorRT target: both int8
+    graphs), shared by the tests below."""
     root = tmp_path_factory.mktemp("precision")
     (root / "data").mkdir()
     for name in ("calibration.txt", "eval.txt"):
@@ -145,6 +146,22 @@ def test_excluded_matmuls_stay_float_in_both_int8_graphs(bert):
             assert not {"DequantizeLinear", "DynamicQuantizeLinear"} & set(producers), (name, node, producers)
     quantized = _float_inputs(onnx.load(str(int8.file(MODEL_FILE))), "*/intermediate/dense/MatMul")
     assert all("DequantizeLinear" in producers for producers in quantized.values())
+
+
+@pytest.mark.parametrize(("backend", "written", "absent"), [("onnxruntime", CPU_MODEL_FILE, MODEL_FILE),
+                                                            ("tensorrt", MODEL_FILE, CPU_MODEL_FILE)])
+def test_int8_writes_only_the_graph_its_targets_build_from(bert, tmp_path, backend, written, absent):
+    """A CPU-only pipeline gets no TensorRT Q/DQ graph, a GPU-only one no CPU graph; the graph written is the one
+    a pipeline with both targets gets, from the same calibration."""
+    spec, _, exported, results = bert
+    alone = spec.model_copy(update={"targets": [t for t in spec.targets if t.backend == backend]})
+    int8 = run_precision(alone, exported, "int8", ArtifactStore(tmp_path))
+    assert not int8.file(absent).exists() and absent not in int8.outputs["graphs"].values()
+    assert file_digest(int8.file(written)) == file_digest(results["int8"].file(written))
+    assert int8.file(CALIBRATION_FILE).read_text() == results["int8"].file(CALIBRATION_FILE).read_text()
+    assert int8.key != results["int8"].key
+    assert ("cpu_weight_bits" in int8.outputs) == (backend == "onnxruntime")
+    assert (int8.outputs["lint"] != {}) == (backend == "tensorrt")
 
 
 def test_second_run_is_cached(bert):

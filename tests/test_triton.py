@@ -1,4 +1,4 @@
-"""Triton model-repository entries for promoted TensorRT engines."""
+"""Triton model-repository entries for promoted TensorRT engines, and their packaging through the serving hook."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from tasks.backends.tensorrt import plan as trt_plan
 from tasks.backends.tensorrt import triton_repository as triton
+from tasks.judge import serving
 
 IO = [{"name": "input_ids", "mode": "input", "dtype": "int64", "shape": [-1, -1]},
       {"name": "attention_mask", "mode": "input", "dtype": "int64", "shape": [-1, -1]},
@@ -85,8 +86,8 @@ def test_latency_slo_comes_from_the_p99_gate():
                         profiles=[{"batch": [1, 8, 32], "seq": [1, 128, 512]}], precisions=["fp16"],
                         targets=[{"name": "sm90", "backend": "tensorrt", "arch": "sm90"}],
                         performance={"gates": {"p99_ms": {"max": 50}}})
-    assert triton.latency_slo_ms(spec) == 50
-    assert triton.latency_slo_ms(spec.model_copy(update={"performance": spec.performance.model_copy(
+    assert serving.latency_slo_ms(spec) == 50
+    assert serving.latency_slo_ms(spec.model_copy(update={"performance": spec.performance.model_copy(
         update={"gates": {}})})) is None
 
 
@@ -116,7 +117,7 @@ def test_promoted_engines_of_one_run_are_packaged_together(tmp_path):
                 _promoted(tmp_path, "fp16", "sm80", _engine_dir(tmp_path, "sm80", "8.0")),
                 _promoted(tmp_path, "fp16", "cpu", _engine_dir(tmp_path, "cpu", "0.0"), backend="onnxruntime"),
                 _promoted(tmp_path, "int8", "sm90x", _engine_dir(tmp_path, "sm90x", "9.0"), status="rejected")]
-    packages = triton.package_promoted(spec, outcomes, tmp_path / "repo")
+    packages = serving.package_promoted(spec, outcomes, tmp_path / "repo")
     assert set(packages) == {"run-fp16-sm90", "run-fp16-sm80"}
     entry = packages["run-fp16-sm80"]
     assert (entry / "4" / "model.plan").read_bytes() == b"plan for sm80"

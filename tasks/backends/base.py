@@ -26,6 +26,13 @@ if TYPE_CHECKING:
     from tasks.config.profiles import ProfileSpec
 
 
+GRAPHS = {"neutral": "model.onnx", "cpu": "model.cpu.onnx"}
+"""The graphs the precision stage writes, by name, with their file: `neutral` for every precision (fp32 as
+exported, fp16 with Cast nodes, int8 with Q/DQ nodes in TensorRT's dialect: symmetric S8, per-channel weights),
+`cpu` for int8 alone (ONNX Runtime's own fusions, then quantized the way its x86 kernels are fast). It writes
+only those that the pipeline's targets build from."""
+
+
 class BackendUnavailable(RuntimeError):
     """The backend's runtime is not installed or this machine cannot run the target."""
 
@@ -53,6 +60,13 @@ class TargetSpec(Strict):
     """The precisions it can build, a subset of tasks.config.bounds.PRECISIONS."""
     implementation: ClassVar[str]
     """`module:Class` of its `Backend`, imported on first use (settings load without the runtime)."""
+    graphs: ClassVar[dict[str, str]] = {}
+    """An `onnx` source's graph (a name of GRAPHS) for each precision it does not build from `neutral`,
+    e.g. {"int8": "cpu"}."""
+    serving: ClassVar[str | None] = None
+    """`module:function` that lays its promoted engines out as a serving package (TensorRT's: a Triton model
+    repository entry), imported on use; None: its engines are not packaged. tasks/judge/serving.py calls it as
+    `function(out_dir, model_name, engine_dirs, benchmark_points, slo_ms, version) -> the package's directory`."""
     precision_settings: ClassVar[dict[str, tuple[str, ...]]] = {}
     """Settings only one precision's builds read: left out of other precisions' keys, and idle when
     that precision is not built."""
@@ -87,6 +101,10 @@ class TargetSpec(Strict):
         other = {key for p, keys in self.precision_settings.items() if p != precision for key in keys}
         return self.model_dump(mode="json", exclude=other or None)
 
+    def source_graph(self, precision: str) -> str:
+        """The precision stage's graph (a name of GRAPHS) this target's engine of `precision` builds from."""
+        return self.graphs.get(precision, "neutral")
+
     def calibrates(self, precision: str) -> bool:
         """Whether this target's build of `precision` reads the calibration text itself (the int8 ONNX
         graphs are calibrated by the precision stage instead)."""
@@ -97,6 +115,15 @@ class TargetSpec(Strict):
         if precision not in self.precisions:
             return f"backend {self.backend} does not build {precision} (it builds {', '.join(self.precisions)})"
         return None
+
+    def model_problems(self, precision: str, config: Mapping[str, Any],
+                       decoder: bool) -> list[tuple[tuple[Any, ...], str]]:
+        """Why this target cannot build `precision` of the model whose config.json is `config` (`decoder`: its
+        task generates text), each as (where, why): `where` a key path inside this target, e.g.
+        ("fp8_exclude", 0), or () for the precision itself. `smelter validate` asks each target of the
+        precisions it builds, before any work: a rule that holds for some models only is its backend's own
+        (Inductor builds fp8 for Llama-family decoders alone), never another backend's."""
+        return []
 
 
 class Runner(abc.ABC):
@@ -137,17 +164,15 @@ class Runner(abc.ABC):
 class Backend(abc.ABC):
     """Builds engines for one kind of target and loads them back as runners.
 
-    An `onnx`-source backend implements `build` (and `source_model` when it reads another graph
-    than model.onnx); a `torch`-source one implements `build_from_model`.
+    An `onnx`-source backend implements `build` (from the graph its target names in `source_graph`);
+    a `torch`-source one implements `build_from_model`.
     """
 
     name: str
     engine_file: str
     compares_three_way: ClassVar[bool] = False
-    """Whether accuracy records FP32 ONNX vs precision ONNX vs engine for its engines, to say whether an
-    error comes from the graph or from the builder."""
-    triton_plan: ClassVar[bool] = False
-    """Whether its engine file is a plan Triton's TensorRT platform serves (what Triton packaging takes)."""
+    """Whether accuracy records FP32 ONNX vs the precision graph its engine was built from vs the engine (an
+    `onnx` source only), to say whether an error comes from the graph or from the builder."""
 
     @abc.abstractmethod
     def missing(self, target: TargetSpec) -> str | None:
@@ -161,9 +186,11 @@ class Backend(abc.ABC):
     def hardware(self, target: TargetSpec) -> dict[str, Any]:
         """Facts about this machine that an engine is tied to (CPU ISA, compute capability); part of the key."""
 
-    def source_model(self, precision_dir: Path) -> Path:
-        """Which of the precision stage's ONNX files this backend builds from."""
-        return precision_dir / "model.onnx"
+    def int8_products(self, target: TargetSpec) -> str:
+        """How the processor running `target`'s engines adds int8 products: `exact` (in 32 bits) or `saturating`
+        (pairs summed into 16 bits, as x86 without VNNI does). Asked by the precision stage for the int8 `cpu`
+        graph this backend builds from: for a saturating processor it quantizes that graph with 7-bit weights."""
+        return "exact"
 
     def build(self, onnx_path: Path, target: TargetSpec, profiles: list[ProfileSpec], out_dir: Path,
               cache_dir: Path) -> dict[str, Any]:

@@ -375,7 +375,8 @@ def _cached_hub_config(repo_id: str, revision: str) -> tuple[dict[str, Any], str
 
 def config_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
     """The model's kind and head against the task, the task against what Optimum exports for this model type,
-    every shape against the model's positions and attention window."""
+    each target's own rules for the precisions it builds, every shape against the model's positions and
+    attention window."""
     if not_text := non_text_problem(config, source):
         return [(_model_key(spec), not_text)]
     if config.get("is_encoder_decoder") is True:
@@ -384,7 +385,7 @@ def config_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> 
     problems += _head_problems(spec, config, source)
     problems += _single_output_gate_problems(spec, config, source)
     problems += _falcon_cache_problems(spec, config, source)
-    problems += _fp8_problems(spec, config, source)
+    problems += _model_precision_problems(spec, config, source)
     problems += _length_problems(spec, config, source)
     return problems
 
@@ -528,29 +529,17 @@ def _calibration_shape_warnings(spec: PipelineSpec) -> list[Located]:
                                          "a profile")]
 
 
-def _fp8_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
-    """fp8 engines come from the Llama-family graphs only: say so now, not after the export."""
-    if not any(c.precision == "fp8" for c in spec.candidates()):
-        return []
-    from types import SimpleNamespace
-
-    from tasks.backends.inductor.llama_support import fp8_kept, fp8_unsupported
-
-    try:
-        problem = fp8_unsupported(SimpleNamespace(**{"num_key_value_heads": None, **config}), spec.model.is_decoder)
-    except (AttributeError, TypeError, ZeroDivisionError) as e:
-        problem = f"fp8 needs a Llama-family config with its sizes; this one lacks them ({clip(str(e))})"
-    if problem:
-        return [(("precisions", spec.precisions.index("fp8")), f"{problem} ({source})")]
-    fp8_targets = {c.target for c in spec.candidates() if c.precision == "fp8"}
-    excluding = [(i, t.fp8_exclude) for i, t in enumerate(spec.targets)
-                 if t.name in fp8_targets and getattr(t, "fp8_exclude", None)]
-    layers = config.get("num_hidden_layers")
-    if excluding and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
-        return [(("targets", i, "fp8_exclude"), f"naming layers needs the model's num_hidden_layers; this config "
-                                               f"has {clip(repr(layers))} ({source})") for i, _ in excluding]
-    return [(("targets", i, "fp8_exclude", j), f"{why} ({source})")
-            for i, globs in excluding for j, why in fp8_kept(globs, layers)[1]]
+def _model_precision_problems(spec: PipelineSpec, config: dict[str, Any], source: str) -> list[Located]:
+    """What each target's backend says of building its precisions for this model (TargetSpec.model_problems):
+    a problem of the precision itself once, at the precision, however many targets build it."""
+    problems: list[Located] = []
+    for candidate in spec.candidates():
+        index, target = next((i, t) for i, t in enumerate(spec.targets) if t.name == candidate.target)
+        for where, why in target.model_problems(candidate.precision, config, spec.model.is_decoder):
+            key = ("targets", index, *where) if where else ("precisions", spec.precisions.index(candidate.precision))
+            if (key, f"{why} ({source})") not in problems:
+                problems.append((key, f"{why} ({source})"))
+    return problems
 
 
 def max_positions(config: dict[str, Any]) -> tuple[str | None, int | None]:

@@ -1,5 +1,6 @@
 """What becomes of the candidates the stages produced: the gates each must pass (gates), which
-one takes the alias (decide), registration and the alias move (promote), signed webhooks and their
+one takes the alias (decide), registration and the alias move (promote), promoted engines laid out for
+serving where their backend declares how (serving), signed webhooks and their
 mirror in MLflow (notify, mlflow_webhooks), the run's picture (summary_figure), and `smelter compare`
 for a user who doubts a decision (compare). It may import every other folder of tasks/; none of them
 imports it: only tasks/graph.py and flows/ may.

@@ -18,9 +18,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks.backends.tensorrt import triton_repository
 from tasks.config.spec import PipelineSpec
-from tasks.judge import decide, gates, notify, promote
+from tasks.judge import decide, gates, notify, promote, serving
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion
 from tasks.registry import tracking
@@ -65,7 +64,7 @@ class Judge:
         reads: what it decides from, said by `smelter plan`, given the pipeline.
         before: stages that read this one besides those that name it in their `after` (a plugin's extra
             gate goes before smelter's decide).
-        applies: whether the pipeline has this step at all (package: only where a target builds plans).
+        applies: whether the pipeline has this step at all (package: only where a target's backend packages).
     """
 
     stage: str
@@ -133,11 +132,11 @@ def _after_promotion(judging: Judging, stage: str, error: BaseException) -> Judg
 
 
 def _package(judging: Judging, node: str) -> Judging:
-    """Triton model-repository entries for promoted plans, logged to their runs."""
+    """Serving packages of promoted engines (where a target's backend declares one), logged to their runs."""
     try:
-        with tempfile.TemporaryDirectory(prefix="smelter-triton-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="smelter-serving-") as tmp:
             outcomes = [_with_engine_here(o, Path(tmp) / "engines") for o in judging.outcomes]
-            packages = triton_repository.package_promoted(judging.spec, outcomes, Path(tmp) / "repository")
+            packages = serving.package_promoted(judging.spec, outcomes, Path(tmp) / "repository")
             for run_id, model_dir in packages.items():
                 tracking.log_directory(run_id, model_dir, f"triton/{model_dir.name}")
     except Exception as e:  # noqa: BLE001 - see _after_promotion
@@ -146,9 +145,9 @@ def _package(judging: Judging, node: str) -> Judging:
 
 
 def _with_engine_here(outcome: CandidateOutcome, engines: Path) -> CandidateOutcome:
-    """A promoted plan built on another host, with its engine downloaded from its run."""
+    """A promoted engine built on another host, with its engine downloaded from its run."""
     build = outcome.stages.get("build")
-    remote_engine = build is not None and triton_repository.serves(build.outputs) and not build.path.is_dir()
+    remote_engine = build is not None and serving.serves(build.outputs) and not build.path.is_dir()
     if outcome.status != "promoted" or not remote_engine:
         return outcome
     here = tracking.engine_dir(outcome, engines / outcome.run_id)
@@ -164,17 +163,9 @@ def _notify(judging: Judging, node: str) -> Judging:
     return dataclasses.replace(judging, deliveries=deliveries)
 
 
-def _packages_plans(spec: PipelineSpec, targets: list[str]) -> bool:
-    """Whether a target's backend builds plans that Triton serves (so promotion packages them)."""
-    from tasks.backends.base import BackendUnavailable, get_backend
-
-    def plans(target: str) -> bool:
-        try:
-            return bool(get_backend(spec.target(target).backend).triton_plan)
-        except BackendUnavailable:  # a plugin that cannot load here builds nothing here either
-            return False
-
-    return any(plans(t) for t in targets)
+def _packages(spec: PipelineSpec, targets: list[str]) -> bool:
+    """Whether a target's backend packages its promoted engines for serving (TargetSpec.serving)."""
+    return any(spec.target(t).serving is not None for t in targets)
 
 
 def _webhooks(spec: PipelineSpec) -> str:
@@ -189,8 +180,8 @@ JUDGES = (
           lambda spec: "the gates and each target's registered champion"),
     Judge("promote", "pipeline", ("decide",), _promote,
           lambda spec: f"the decisions and each target's @{spec.promotion.alias} in the registry"),
-    Judge("package", "pipeline", ("promote",), _package, lambda spec: "promoted plans: Triton model entries",
-          applies=_packages_plans),
+    Judge("package", "pipeline", ("promote",), _package,
+          lambda spec: "promoted engines: serving packages (Triton entries of TensorRT plans)", applies=_packages),
     Judge("notify", "pipeline", ("promote",), _notify, _webhooks),
 )
 """smelter's own judging stages."""

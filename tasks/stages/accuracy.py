@@ -229,8 +229,8 @@ def _decoder_accuracy(config: AccuracyConfig, runner: Runner, tokenizer: Any, re
 
 def three_way(config: AccuracyConfig, build_result: StageResult, store: ArtifactStore | None, engine: Runner,
               tokenizer: Any, reference: torch.nn.Module, texts: list[str]) -> dict[str, Any] | None:
-    """For a backend that compares three ways (TensorRT): FP32 ONNX vs precision ONNX vs engine at min/opt/max
-    (where an error comes from).
+    """For a backend that compares three ways (Backend.compares_three_way): FP32 ONNX vs the precision graph the
+    engine was built from vs the engine, at min/opt/max (where an error comes from).
 
     Recorded, not gated: the accuracy gates already judge the engine against PyTorch.
     """
@@ -245,8 +245,9 @@ def three_way(config: AccuracyConfig, build_result: StageResult, store: Artifact
         raise FileNotFoundError(f"the ONNX graphs engine {build_result.key} was built from are gone from the store")
     feeds = {point: point_feeds(config.source.model, tokenizer, reference, texts, shape, engine.input_names,
                                 real_tokens_only=True) for point, shape in config.profiles[0].shapes().items()}
-    return compare_three_way(exported.file("model.onnx"), precision.file("model.onnx"), engine, feeds,
-                             config.validation.atol, config.validation.rtol)
+    built_from = precision.file(build_result.outputs["source_model"])
+    return compare_three_way(exported.file("model.onnx"), built_from, engine, feeds, config.validation.atol,
+                             config.validation.rtol)
 
 
 def check_validity(config: AccuracyConfig, runner: Runner, tokenizer: Any, reference: torch.nn.Module,

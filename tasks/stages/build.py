@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.backends.base import Backend, BackendUnavailable, Runner, get_backend
+from tasks.backends.base import GRAPHS, Backend, BackendUnavailable, Runner, get_backend
 from tasks.backends.table import BACKENDS
 from tasks.config.spec import PipelineSpec, ProfileSpec, TargetSpec
 from tasks.runtime import killpoints
@@ -147,10 +147,11 @@ def build_work(config: BuildConfig, precision_result: StageResult | None) -> Wor
             facts = backend.build_from_model(model.directory, model.model.task, precision, target, profiles, w.dir,
                                              calibration=calibration)
         else:
-            source = backend.source_model(precision_result.path)
+            graph = target.source_graph(precision_result.outputs.get("precision"))
+            source = precision_result.file(GRAPHS[graph])
             if not source.is_file():
-                raise FileNotFoundError(f"precision output {precision_result.path} has no {source.name} to build "
-                                        f"target {target.name} from")
+                raise FileNotFoundError(f"precision output {precision_result.path} has no {source.name} (its "
+                                        f"{graph} graph) to build target {target.name} from")
             source_name = source.name
             facts = backend.build(source, target, profiles, w.dir, w.cache_dir(backend.name))
         build_seconds = time.perf_counter() - started

@@ -7,7 +7,8 @@ ONNX Runtime. When they fail, each quantized node's sensitivity is measured in o
 own quantization adds (its int8 output vs the same op in float on the int8 graph's own inputs). The
 most sensitive nodes are then kept in float one at a time, re-quantizing from the cached calibration
 ranges, until the gates pass or quantization.accuracy_fallback.max_float_share of the quantizable
-nodes is float. The exclusions go to every int8 graph (TensorRT's Q/DQ one and the CPU one).
+nodes is float. It measures the neutral Q/DQ graph (quantized into scratch where no target builds from it);
+the exclusions go to every int8 graph the stage writes (TensorRT's Q/DQ one, the CPU one).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,24 @@ from tasks.config.spec import PipelineSpec
 from tasks.stages.accuracy import cosine, mean_pool
 
 PROBE_BATCHES = 4  # calibration batches the one-pass sensitivity reads (the gate check reads them all)
+
+
+@dataclass(frozen=True)
+class FallbackConfig:
+    """What the fallback reads of a pipeline: quantization.accuracy_fallback's max_float_share, the gates it aims
+    at (gated_metrics) and what the model's primary output is (a decoder's and a classifier's are logits, an
+    encoder's last_hidden_state, compared after mean pooling)."""
+
+    max_float_share: float
+    gates: dict[str, Any]
+    decoder: bool
+    classifier: bool
+
+    @classmethod
+    def of(cls, spec: PipelineSpec) -> FallbackConfig:
+        """For a pipeline whose quantization sets accuracy_fallback."""
+        return cls(spec.quantization.accuracy_fallback.max_float_share, gated_metrics(spec), spec.model.is_decoder,
+                   spec.model.task == "text-classification")
 
 
 def gated_metrics(spec: PipelineSpec) -> dict[str, Any]:
@@ -49,20 +69,20 @@ def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray], outputs: l
     return session.run(outputs, {k: v for k, v in feeds.items() if k in names})
 
 
-def _primary_output(spec: PipelineSpec, model: onnx.ModelProto) -> str:
+def _primary_output(config: FallbackConfig, model: onnx.ModelProto) -> str:
     names = [o.name for o in model.graph.output]
-    wanted = "logits" if spec.model.is_decoder or spec.model.task == "text-classification" else "last_hidden_state"
+    wanted = "logits" if config.decoder or config.classifier else "last_hidden_state"
     return wanted if wanted in names else names[0]
 
 
-def calibration_metrics(spec: PipelineSpec, reference: list[np.ndarray], candidate: list[np.ndarray],
+def calibration_metrics(config: FallbackConfig, reference: list[np.ndarray], candidate: list[np.ndarray],
                         batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
     """The gated metrics of `candidate` outputs vs `reference` outputs, over every calibration sample."""
-    if spec.model.is_decoder:
+    if config.decoder:
         agree = [(r.argmax(-1) == c.argmax(-1))[b["attention_mask"][:, -r.shape[1]:].astype(bool)]
                  for r, c, b in zip(reference, candidate, batches)]
         return {"top1_agreement": float(np.concatenate(agree).mean())}
-    if spec.model.task == "text-classification":
+    if config.classifier:
         cosines = np.concatenate([cosine(r, c) for r, c in zip(reference, candidate)])
     else:
         cosines = np.concatenate([cosine(mean_pool(r, b["attention_mask"]), mean_pool(c, b["attention_mask"]))
@@ -125,7 +145,7 @@ def sensitivity(source: onnx.ModelProto, quantized: onnx.ModelProto, nodes: list
     return errors
 
 
-def keep_until_passing(spec: PipelineSpec, source: Path, target: Path, batches: list[dict[str, np.ndarray]],
+def keep_until_passing(config: FallbackConfig, source: Path, target: Path, batches: list[dict[str, np.ndarray]],
                        excluded: list[str], op_types: list[str],
                        quantize: Callable[[list[str]], None]) -> tuple[list[str], dict[str, Any]]:
     """`excluded` plus the nodes kept float by the fallback, and the record of what was measured.
@@ -133,26 +153,25 @@ def keep_until_passing(spec: PipelineSpec, source: Path, target: Path, batches: 
     `quantize(excluded)` writes the int8 graph to `target`; it has run once with `excluded` already.
     """
     started = time.perf_counter()
-    settings = spec.quantization.accuracy_fallback
-    gates = gated_metrics(spec)
+    gates = config.gates
     model = onnx.load(str(source))
-    output = _primary_output(spec, model)
+    output = _primary_output(config, model)
     fp32 = _session(source)
     reference = [_run(fp32, feeds, [output])[0] for feeds in batches]
 
     def measure() -> dict[str, float]:
         session = _session(target)
-        return calibration_metrics(spec, reference, [_run(session, f, [output])[0] for f in batches], batches)
+        return calibration_metrics(config, reference, [_run(session, f, [output])[0] for f in batches], batches)
 
     before = measure()
-    record: dict[str, Any] = {"max_float_share": settings.max_float_share, "gates": list(gates),
+    record: dict[str, Any] = {"max_float_share": config.max_float_share, "gates": list(gates),
                               "data": "calibration", "before": _rounded(before)}
     if not _fails(before, gates):
         return excluded, record | {"needed": False, "passed": True, "kept": [], "after": _rounded(before),
                                    "seconds": round(time.perf_counter() - started, 3)}
     quantizable = [n.name for n in model.graph.node if n.op_type in op_types]
     candidates = quantized_nodes(model, op_types, excluded)
-    budget = math.floor(settings.max_float_share * len(quantizable)) - (len(quantizable) - len(candidates))
+    budget = math.floor(config.max_float_share * len(quantizable)) - (len(quantizable) - len(candidates))
     errors = sensitivity(model, onnx.load(str(target)), candidates, batches)
     ranked = sorted(candidates, key=lambda n: (-errors[n], n))
     kept, after = [], before
@@ -171,12 +190,13 @@ def keep_until_passing(spec: PipelineSpec, source: Path, target: Path, batches: 
         "seconds": round(time.perf_counter() - started, 3)}
 
 
-def graph_metrics(spec: PipelineSpec, source: Path, graph: Path, batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
+def graph_metrics(config: FallbackConfig, source: Path, graph: Path,
+                  batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
     """The gated metrics of another int8 graph (the CPU one) on the same calibration feeds."""
-    output = _primary_output(spec, onnx.load(str(source), load_external_data=False))
+    output = _primary_output(config, onnx.load(str(source), load_external_data=False))
     fp32, session = _session(source), _session(graph)
     reference = [_run(fp32, f, [output])[0] for f in batches]
-    return _rounded(calibration_metrics(spec, reference, [_run(session, f, [output])[0] for f in batches], batches))
+    return _rounded(calibration_metrics(config, reference, [_run(session, f, [output])[0] for f in batches], batches))
 
 
 def _rounded(metrics: dict[str, float]) -> dict[str, float]:

@@ -1,13 +1,16 @@
 """Precision lives in the graph: the exported ONNX rewritten so its types say fp32, fp16 or int8.
 
-model.onnx is backend-neutral: ONNX Runtime runs it on a CPU (so a quantized model's accuracy is
-measurable anywhere) and TensorRT builds it strongly typed. For int8 that means TensorRT's Q/DQ
-dialect (symmetric S8, per-channel weights, float bias), linted before it is written. That graph
-is slow on ONNX Runtime's x86 kernels, so int8 also writes model.cpu.onnx: the graph fused the
-way ONNX Runtime fuses it, then quantized the way its CPU kernels are fast (dynamic, or U8S8 QDQ).
-Calibration runs once, on real text, over the exported graph's tensors (calibration.json). The
-qdq-u8s8 CPU graph reuses those ranges without recalibrating, so a tensor that exists only after
-fusion has no range: the nodes using one stay float, listed in cpu_uncalibrated.
+It writes the graphs the pipeline's targets build from (tasks.backends.base.GRAPHS; each target names
+its own in `source_graph`). model.onnx is backend-neutral: ONNX Runtime runs it on a CPU (so a quantized
+model's accuracy is measurable anywhere) and TensorRT builds it strongly typed. For int8 that means
+TensorRT's Q/DQ dialect (symmetric S8, per-channel weights, float bias), linted before it is written. That
+graph is slow on ONNX Runtime's x86 kernels, so a target that runs there builds from model.cpu.onnx: the
+graph fused the way ONNX Runtime fuses it, then quantized the way its CPU kernels are fast (dynamic, or U8S8
+QDQ), with 7-bit weights where its backend says the CPU's int8 products saturate.
+Calibration runs once, on real text, over the exported graph's tensors (calibration.json), as the neutral
+graph is quantized (into scratch when no target builds from it). The qdq-u8s8 CPU graph reuses those ranges
+without recalibrating, so a tensor that exists only after fusion has no range: the nodes using one stay
+float, listed in cpu_uncalibrated.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from tasks.config.spec import PipelineSpec, QuantizationSpec
+from tasks.backends.base import GRAPHS, BackendUnavailable, get_backend
+from tasks.backends.table import BACKENDS
+from tasks.config.spec import PipelineSpec, QuantizationSpec, TargetSpec
 from tasks.runtime import killpoints
 from tasks.runtime.error_text import described
 from tasks.runtime.stage_runner import Work, run_stage
@@ -35,13 +40,15 @@ from tasks.stages.qdq_lint import check_qdq
 if TYPE_CHECKING:
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod
 
+    from tasks.stages.int8_fallback import FallbackConfig
+
 STAGE = "precision"
 TOOLS = ("onnx", "onnxruntime")
 # what the stage computes: part of the key
 CODE = ("tasks.stages.precision", "tasks.stages.qdq_lint", "tasks.stages.calibration_feeds", "tasks.stages.inputs",
         "tasks.stages.int8_fallback")
-MODEL_FILE = "model.onnx"
-CPU_MODEL_FILE = "model.cpu.onnx"
+MODEL_FILE = GRAPHS["neutral"]
+CPU_MODEL_FILE = GRAPHS["cpu"]
 CALIBRATION_FILE = "calibration.json"
 EXTERNAL_DATA_THRESHOLD = 1 << 30
 
@@ -50,30 +57,70 @@ CPU_DYNAMIC_OP_TYPES = QUANTIZED_OP_TYPES + ("Attention",)
 FORMATS = {"fp32": "passthrough", "fp16": "cast-fp16", "int8": "qdq-s8-tensorrt"}
 
 
+# The graphs each precision can be written as: every precision has its neutral graph, int8 a CPU one too.
+WRITABLE = {"fp32": ("neutral",), "fp16": ("neutral",), "int8": ("neutral", "cpu")}
+
+
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """What the precision stage reads of a pipeline for one precision: the pipeline's name (for messages) and,
-    for int8 only, `quantization:` and the calibration feeds, plus the pipeline itself when
-    quantization.accuracy_fallback is set (tasks/stages/int8_fallback.py reads its model and accuracy gates).
-    fp32 and fp16 read nothing else: their key is the export's and the precision."""
+    """What the precision stage reads of a pipeline for one precision: the pipeline's name (for messages), the
+    graphs its targets build from (`graphs`, names of tasks.backends.base.GRAPHS) and, for int8 only,
+    `quantization:` and the calibration feeds, plus what the accuracy fallback reads when
+    quantization.accuracy_fallback is set (tasks/stages/int8_fallback.py FallbackConfig). fp32 and fp16 read
+    nothing else: their key is the export's and the precision."""
 
     pipeline: str
     precision: str
     quantization: QuantizationSpec | None = None
     calibration: CalibrationSource | None = None
-    fallback: PipelineSpec | None = None
-    # How this host's CPU adds int8 products (tasks/backends/onnxruntime/backend.py int8_products): a CPU graph made for
-    # one that saturates has 7-bit weights, so the choice is part of the key.
-    cpu_int8_products: str = "exact"
+    fallback: FallbackConfig | None = None
+    graphs: tuple[str, ...] = ("neutral",)
+    # How the CPU running the `cpu` graph adds int8 products (Backend.int8_products): a CPU graph made for one
+    # that saturates has 7-bit weights, so the choice is part of the key. None without a `cpu` graph.
+    cpu_int8_products: str | None = None
 
     @classmethod
     def of(cls, spec: PipelineSpec, precision: str) -> PrecisionConfig:
+        built = {c.target for c in spec.candidates() if c.precision == precision}
+        targets = [t for t in spec.targets if t.name in built and BACKENDS[t.backend].source == "onnx"]
+        graphs = source_graphs(spec.name, precision, targets)
         if precision != "int8":
-            return cls(spec.name, precision)
-        from tasks.backends.onnxruntime.backend import int8_products
+            return cls(spec.name, precision, graphs=graphs)
+        from tasks.stages.int8_fallback import FallbackConfig
 
-        fallback = spec if spec.quantization.accuracy_fallback is not None else None
-        return cls(spec.name, precision, spec.quantization, CalibrationSource.of(spec), fallback, int8_products())
+        fallback = FallbackConfig.of(spec) if spec.quantization.accuracy_fallback is not None else None
+        cpu_targets = [t for t in targets if t.source_graph("int8") == "cpu"]
+        products = cpu_int8_products(cpu_targets) if cpu_targets else None
+        return cls(spec.name, precision, spec.quantization, CalibrationSource.of(spec), fallback, graphs, products)
+
+
+def source_graphs(pipeline: str, precision: str, targets: list[TargetSpec]) -> tuple[str, ...]:
+    """The graphs of `precision` that `targets` (those building it from this stage's graphs) build from, in GRAPHS
+    order, the neutral one where none does (a caller that runs the stage alone); an error naming a target that
+    asks for a graph this stage does not write."""
+    writable = WRITABLE.get(precision, ("neutral",))
+    wanted = set()
+    for target in targets:
+        graph = target.source_graph(precision)
+        if graph not in writable:
+            raise ValueError(f"pipeline {pipeline}: target {target.name} (backend {target.backend}) builds "
+                             f"{precision} from graph {graph!r}; the precision stage writes {', '.join(writable)} "
+                             f"for {precision}")
+        wanted.add(graph)
+    return tuple(g for g in GRAPHS if g in wanted) or ("neutral",)
+
+
+def cpu_int8_products(targets: list[TargetSpec]) -> str:
+    """`saturating` if the backend of any of `targets` (those building from the int8 `cpu` graph) says its CPU's
+    int8 products saturate (7-bit weights are exact on every CPU), else `exact`. A backend that cannot load here
+    builds nothing here."""
+    answers = set()
+    for target in targets:
+        try:
+            answers.add(get_backend(target.backend).int8_products(target))
+        except BackendUnavailable:
+            continue
+    return "saturating" if "saturating" in answers else "exact"
 
 
 def precision_key(export_result: StageResult, spec: PipelineSpec, precision: str) -> str:
@@ -115,11 +162,11 @@ def _settings(config: PrecisionConfig) -> dict[str, Any]:
         calib = config.calibration
         settings |= {"quantization": config.quantization, "calibration": calib.calibration,
                      "calibration_data_sha256": file_digest(calib.data_path), "calibration_past": calib.past,
-                     "op_types": list(QUANTIZED_OP_TYPES), "cpu_int8_products": config.cpu_int8_products}
+                     "op_types": list(QUANTIZED_OP_TYPES), "graphs": list(config.graphs)}
+        if "cpu" in config.graphs:
+            settings["cpu_int8_products"] = config.cpu_int8_products
         if config.fallback is not None:  # the fallback aims at these gates
-            from tasks.stages.int8_fallback import gated_metrics
-
-            settings["fallback_gates"] = gated_metrics(config.fallback)
+            settings["fallback_gates"] = config.fallback.gates
     return settings
 
 
@@ -129,9 +176,9 @@ def run_precision(spec: PipelineSpec, export_result: StageResult, precision: str
     return run_stage(precision_work(PrecisionConfig.of(spec, precision), export_result), store, force)
 
 
-def _outputs(precision: str, **extra: Any) -> dict[str, Any]:
-    return {"precision": precision, "format": FORMATS[precision], "calibration": {}, "excluded_nodes": [],
-            "lint": {}} | extra
+def _outputs(precision: str, graphs: tuple[str, ...] = ("neutral",), **extra: Any) -> dict[str, Any]:
+    return {"precision": precision, "format": FORMATS[precision], "graphs": {g: GRAPHS[g] for g in graphs},
+            "calibration": {}, "excluded_nodes": [], "lint": {}} | extra
 
 
 def _save(model: onnx.ModelProto, path: Path) -> None:
@@ -304,6 +351,15 @@ def _tensorrt_options(model: onnx.ModelProto) -> dict[str, Any]:
 
 
 def _int8(config: PrecisionConfig, source: Path, out_dir: Path) -> dict[str, Any]:
+    """The int8 graphs config.graphs names. The neutral graph is quantized in any case: quantizing it
+    calibrates (calibration.json, which the CPU graph reuses) and the accuracy fallback measures it; where no
+    target builds from it, it is quantized into scratch and not published."""
+    with tempfile.TemporaryDirectory(prefix="smelter-int8-") as scratch:
+        neutral = out_dir / MODEL_FILE if "neutral" in config.graphs else Path(scratch) / MODEL_FILE
+        return _int8_graphs(config, source, out_dir, neutral)
+
+
+def _int8_graphs(config: PrecisionConfig, source: Path, out_dir: Path, neutral: Path) -> dict[str, Any]:
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     quant, calib = config.quantization, config.calibration
@@ -319,7 +375,7 @@ def _int8(config: PrecisionConfig, source: Path, out_dir: Path) -> dict[str, Any
     def quantize(nodes_to_exclude: list[str]) -> None:
         """The first call calibrates and writes calibration.json; later ones reuse its ranges."""
         reader = None if calibration_path.is_file() else text_calibration_reader(batches)
-        quantize_static(source, out_dir / MODEL_FILE, reader, quant_format=QuantFormat.QDQ,
+        quantize_static(source, neutral, reader, quant_format=QuantFormat.QDQ,
                         op_types_to_quantize=op_types, per_channel=True, activation_type=QuantType.QInt8,
                         weight_type=QuantType.QInt8, nodes_to_exclude=nodes_to_exclude, calibrate_method=method,
                         extra_options=_tensorrt_options(model), calibration_cache_path=calibration_path)
@@ -329,31 +385,36 @@ def _int8(config: PrecisionConfig, source: Path, out_dir: Path) -> dict[str, Any
     if config.fallback is not None:
         from tasks.stages.int8_fallback import keep_until_passing
 
-        excluded, record = keep_until_passing(config.fallback, source, out_dir / MODEL_FILE, batches, excluded,
-                                              op_types, quantize)
+        excluded, record = keep_until_passing(config.fallback, source, neutral, batches, excluded, op_types, quantize)
         fallback = {"accuracy_fallback": record}
-    lint = check_qdq(onnx.load(str(out_dir / MODEL_FILE)), f"{config.pipeline} int8 {MODEL_FILE}")
-    cpu_excluded, uncalibrated, fusion = _cpu_int8(quant, model, source, out_dir, excluded, method,
-                                                   reduce_range=config.cpu_int8_products == "saturating")
-    if fallback:
-        from tasks.stages.int8_fallback import graph_metrics
-
-        fallback["accuracy_fallback"]["cpu_graph"] = graph_metrics(config.fallback, source, out_dir / CPU_MODEL_FILE,
-                                                                   batches)
     settings = calib.calibration
-    return _outputs("int8", excluded_nodes=excluded, lint={"passed": True, **lint}, **fallback,
-                    calibration={"data": settings.data, "sha256": file_digest(calib.data_path),
-                                 "samples": settings.samples, "method": settings.method, "seq_len": settings.seq_len,
-                                 "batch_size": settings.batch_size, "batches": len(batches)},
-                    cpu_format=quant.cpu_format, cpu_fusion=fusion, cpu_excluded_nodes=cpu_excluded,
-                    cpu_uncalibrated=uncalibrated, cpu_int8_products=config.cpu_int8_products,
-                    cpu_weight_bits=7 if config.cpu_int8_products == "saturating" else 8)
+    outputs = _outputs("int8", config.graphs, excluded_nodes=excluded, **fallback,
+                       calibration={"data": settings.data, "sha256": file_digest(calib.data_path),
+                                    "samples": settings.samples, "method": settings.method,
+                                    "seq_len": settings.seq_len, "batch_size": settings.batch_size,
+                                    "batches": len(batches)})
+    if "neutral" in config.graphs:
+        lint = check_qdq(onnx.load(str(neutral)), f"{config.pipeline} int8 {MODEL_FILE}")
+        outputs["lint"] = {"passed": True, **lint}
+    if "cpu" in config.graphs:
+        saturating = config.cpu_int8_products == "saturating"
+        cpu_excluded, uncalibrated, fusion = _cpu_int8(quant, model, source, out_dir, excluded, method,
+                                                       reduce_range=saturating)
+        outputs |= {"cpu_format": quant.cpu_format, "cpu_fusion": fusion, "cpu_excluded_nodes": cpu_excluded,
+                    "cpu_uncalibrated": uncalibrated, "cpu_int8_products": config.cpu_int8_products,
+                    "cpu_weight_bits": 7 if saturating else 8}
+        if fallback:
+            from tasks.stages.int8_fallback import graph_metrics
+
+            outputs["accuracy_fallback"]["cpu_graph"] = graph_metrics(config.fallback, source,
+                                                                      out_dir / CPU_MODEL_FILE, batches)
+    return outputs
 
 
 def _cpu_int8(quant: QuantizationSpec, model: onnx.ModelProto, source: Path, out_dir: Path, excluded: list[str],
               method: CalibrationMethod, reduce_range: bool = False) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
     """model.cpu.onnx: the fused graph, int8 in the form ONNX Runtime's x86 kernels run fast; with 7-bit weights
-    (`reduce_range`) for a CPU whose int8 products saturate (tasks/backends/onnxruntime/backend.py int8_products).
+    (`reduce_range`) for a CPU whose int8 products saturate (Backend.int8_products).
 
     Returns the fused graph's excluded nodes, what uncalibrated() found (nothing for dynamic,
     which measures ranges on every call) and the fusion level used (fuse_for_cpu).

@@ -1,8 +1,9 @@
-"""Three-way check of a TensorRT engine with Polygraphy's Comparator: FP32 ONNX, precision ONNX, engine.
+"""Three-way check of an engine built from ONNX with Polygraphy's Comparator: FP32 ONNX, the precision graph
+it was built from, engine; for the backends that declare it (Backend.compares_three_way: TensorRT's).
 
 Comparing the engine only against PyTorch hides where an error comes from. With ONNX Runtime
 running both ONNX graphs, a mismatch between FP32 and precision ONNX is quantization or casting
-error; a mismatch between precision ONNX and the engine is TensorRT's own (tactics, fusions).
+error; a mismatch between precision ONNX and the engine is the builder's own (TensorRT's tactics, fusions).
 Run at the min, opt and max shapes: numeric errors often appear at only some shapes.
 """
 
@@ -55,7 +56,7 @@ def compare_three_way(fp32_onnx: Path, precision_onnx: Path, engine: Runner, fee
                       atol: float, rtol: float) -> dict[str, Any]:
     """Per pair, point and output: max/mean/median absolute and max relative error, and whether it passed.
 
-    The engine may be any Runner (a TensorRT engine in practice); tolerances apply to every pair.
+    The engine may be any Runner; tolerances apply to every pair.
     """
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator, SimpleCompareFunc

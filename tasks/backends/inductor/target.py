@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from tasks.backends.base import TargetSpec
+from tasks.backends.inductor.llama_support import fp8_kept, fp8_unsupported
 from tasks.config.bounds import MAX_PATTERNS, MAX_THREADS, Arch, Pattern, arch_number
+from tasks.config.yaml_source import clip
 
 FP8_SETTINGS = ("fp8_exclude", "fp8_scaling", "fp8_bf16_share")  # read by fp8 builds only
 
@@ -87,3 +91,23 @@ class InductorTarget(TargetSpec):
         if precision == "fp8" and (self.device != "cuda" or arch_number(self.arch or "sm0") < 89):
             return "fp8 needs device cuda with arch sm89 or newer"
         return super().precision_problem(precision)
+
+    def model_problems(self, precision: str, config: Mapping[str, Any],
+                       decoder: bool) -> list[tuple[tuple[Any, ...], str]]:
+        """fp8 engines come from the Llama-family graphs only, and fp8_exclude names their products: said by
+        `smelter validate`, not after the export."""
+        if precision != "fp8":
+            return []
+        try:
+            problem = fp8_unsupported(SimpleNamespace(**{"num_key_value_heads": None, **config}), decoder)
+        except (AttributeError, TypeError, ZeroDivisionError) as e:
+            problem = f"fp8 needs a Llama-family config with its sizes; this one lacks them ({clip(str(e))})"
+        if problem:
+            return [((), problem)]
+        if not self.fp8_exclude:
+            return []
+        layers = config.get("num_hidden_layers")
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            return [(("fp8_exclude",), f"naming layers needs the model's num_hidden_layers; this config has "
+                                       f"{clip(repr(layers))}")]
+        return [(("fp8_exclude", j), why) for j, why in fp8_kept(self.fp8_exclude, layers)[1]]

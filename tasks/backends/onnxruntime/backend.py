@@ -132,10 +132,9 @@ class OnnxRuntimeBackend(Backend):
     def hardware(self, target: TargetSpec) -> dict[str, Any]:
         return cpu_isa()
 
-    def source_model(self, precision_dir: Path) -> Path:
-        """The int8 graph ORT runs fast (model.cpu.onnx) when the precision stage wrote one, else model.onnx."""
-        cpu_graph = precision_dir / "model.cpu.onnx"
-        return cpu_graph if cpu_graph.is_file() else precision_dir / "model.onnx"
+    def int8_products(self, target: TargetSpec) -> str:
+        """This CPU's (engines are built where they run: `hardware` ties them to its ISA)."""
+        return int8_products()
 
     def build(self, onnx_path: Path, target: TargetSpec, profiles: list[ProfileSpec], out_dir: Path,
               cache_dir: Path) -> dict[str, Any]:

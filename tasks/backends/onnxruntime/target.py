@@ -17,6 +17,7 @@ class OnnxRuntimeTarget(TargetSpec):
     source: ClassVar = "onnx"
     precisions: ClassVar = ("fp32", "fp16", "int8")
     implementation: ClassVar = "tasks.backends.onnxruntime.backend:OnnxRuntimeBackend"
+    graphs: ClassVar = {"int8": "cpu"}  # the neutral int8 graph's Q/DQ pairs are slow on ORT's x86 kernels
 
     backend: Literal["onnxruntime"]
     optimization_level: int = Field(3, ge=0, le=5, description="0-2 map to ORT's levels, 3+ to all")

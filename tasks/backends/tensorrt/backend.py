@@ -196,7 +196,6 @@ class TensorRTBackend(Backend):
     name = "tensorrt"
     engine_file = ENGINE_FILE
     compares_three_way = True
-    triton_plan = True
 
     def missing(self, target: TargetSpec) -> str | None:
         try:

@@ -18,6 +18,7 @@ class TensorRTTarget(TargetSpec):
     source: ClassVar = "onnx"
     precisions: ClassVar = ("fp32", "fp16", "int8")
     implementation: ClassVar = "tasks.backends.tensorrt.backend:TensorRTBackend"
+    serving: ClassVar = "tasks.backends.tensorrt.triton_repository:package"
 
     backend: Literal["tensorrt"]
     arch: Arch

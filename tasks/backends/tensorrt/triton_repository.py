@@ -1,4 +1,5 @@
-"""A Triton Inference Server model-repository entry for promoted TensorRT engines.
+"""A Triton Inference Server model-repository entry for promoted TensorRT engines: the tensorrt backend's
+serving package (TensorRTTarget.serving names `package`, which tasks/judge/serving.py calls).
 
 Layout: <repo>/<model>/config.pbtxt and <repo>/<model>/<version>/model.plan. Everything in the
 config comes from what was built and measured: tensor names, types and dims from the engine
@@ -15,9 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.tensorrt import plan as trt_plan
-from tasks.config.spec import PipelineSpec
 
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int8": "TYPE_INT8",
                 "int32": "TYPE_INT32", "int64": "TYPE_INT64", "bool": "TYPE_BOOL", "uint8": "TYPE_UINT8"}
@@ -34,12 +33,6 @@ class PromotedEngine:
     @property
     def sidecar(self) -> dict[str, Any]:
         return trt_plan.read_sidecar(self.engine_dir)
-
-
-def latency_slo_ms(spec: PipelineSpec) -> float | None:
-    """The pipeline's p99 latency SLO: performance.gates.p99_ms.max, if set."""
-    gate = spec.performance.gates.get("p99_ms")
-    return gate.max if gate is not None else None
 
 
 def max_batch_size(profiles: list[dict[str, dict[str, list[int]]]]) -> int:
@@ -128,26 +121,8 @@ def write_triton_repository(repo_dir: Path, model_name: str, engines: list[Promo
     return model_dir
 
 
-def serves(build_outputs: dict[str, Any]) -> bool:
-    """Whether a build's engine is a plan Triton's TensorRT platform serves (its backend says so)."""
-    try:
-        return get_backend(build_outputs["backend"]).triton_plan
-    except (KeyError, ValueError, BackendUnavailable):  # no backend recorded, or one not installed here
-        return False
-
-
-def package_promoted(spec: PipelineSpec, outcomes: list[Any], repo_dir: Path) -> dict[str, Path]:
-    """One Triton entry per promoted candidate whose engine is a plan, keyed by its MLflow run id.
-
-    Engines promoted in the same run for the pipeline's other arch targets (same precision) join
-    the entry through cc_model_filenames, so one Triton model serves the whole fleet.
-    """
-    promoted = [o for o in outcomes if o.status == "promoted" and serves(o.stages["build"].outputs)]
-    packages = {}
-    for outcome in promoted:
-        siblings = [o for o in promoted if o is not outcome and o.candidate.precision == outcome.candidate.precision]
-        engines = [PromotedEngine(o.stages["build"].path) for o in [outcome, *siblings]]
-        packages[outcome.run_id] = write_triton_repository(
-            repo_dir / outcome.run_id, spec.name, engines, outcome.stages["benchmark"].outputs.get("points", []),
-            latency_slo_ms(spec), version=int(outcome.model_version))
-    return packages
+def package(repo_dir: Path, model_name: str, engine_dirs: list[Path], benchmark_points: list[dict[str, Any]],
+            slo_ms: float | None, version: int) -> Path:
+    """The serving hook: promoted plans of one precision, one per compute capability, as one Triton entry."""
+    return write_triton_repository(repo_dir, model_name, [PromotedEngine(d) for d in engine_dirs], benchmark_points,
+                                   slo_ms, version)

@@ -2,13 +2,15 @@
 
 It declares itself with its target settings class (the entry point names it) and implements the
 Backend and Runner interfaces; onnxruntime is imported only when an engine is built or loaded, so
-`smelter validate` reads this module without it.
+`smelter validate` reads this module without it. Its promoted engines are packaged for Triton's
+onnxruntime platform (`serving`).
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import shutil
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -28,6 +30,7 @@ class ToyTarget(TargetSpec):
     source: ClassVar = "onnx"
     precisions: ClassVar = ("fp32", "int8")
     implementation: ClassVar = "toy_backend:ToyBackend"
+    serving: ClassVar = "toy_backend:triton_entry"
 
     backend: Literal["toy"]
     threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="intra-op threads; None = all cores")
@@ -38,6 +41,17 @@ class ToyTarget(TargetSpec):
 
     def with_threads(self, threads: int) -> ToyTarget:
         return self.model_copy(update={"threads": threads})
+
+
+def triton_entry(repo_dir: Path, model_name: str, engine_dirs: list[Path], benchmark_points: list[dict[str, Any]],
+                 slo_ms: float | None, version: int) -> Path:
+    """The promoted engine (the first of engine_dirs) as a Triton model served by its onnxruntime platform, which
+    reads the inputs and outputs from the graph itself: <repo_dir>/<model_name>/{config.pbtxt, <version>/model.onnx}."""
+    model_dir = repo_dir / model_name
+    (model_dir / str(version)).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(engine_dirs[0] / "model.onnx", model_dir / str(version) / "model.onnx")
+    (model_dir / "config.pbtxt").write_text(f'name: "{model_name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 0\n')
+    return model_dir
 
 
 def _session(model: Path, target: ToyTarget) -> Any:
