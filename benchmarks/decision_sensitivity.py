@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from tasks.backends.base import Runner
+from tasks.config.settings import DecisionSettings
 from tasks.config.spec import Candidate, load
 from tasks.judge.decide import decide
 from tasks.outcome import CandidateOutcome, Champion, GateResult
@@ -87,7 +88,7 @@ def main() -> int:
         outcome = CandidateOutcome(Candidate(spec.name, args.precision, target.name), "passed",
                                    stages={"build": candidate_build, "benchmark": for_candidate(result, name, champion)},
                                    gates=[GateResult("accuracy", True)])
-        decide(spec, [outcome], {target.name: champion})
+        decide(DecisionSettings.of(spec), [outcome], {target.name: champion})
         vs = outcome.decision.vs_champion
         print(f"{label:<11} ({slowed} slowed x{factor:.3f}): {vs['ratio']:.3f}x [{vs['ci'][0]:.3f}, {vs['ci'][1]:.3f}] "
               f"in {result.outputs['engines'][name]['gate_point']['rounds']} rounds, {seconds:.0f} s "

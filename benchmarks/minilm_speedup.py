@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 from tasks.backends.onnxruntime.backend import cpu_isa
+from tasks.config.settings import RegistrySettings
 from tasks.config.spec import load
 from tasks.registry import tracking
 from tasks.runtime.store import ArtifactStore
@@ -34,7 +35,7 @@ def main() -> int:
     args = parser.parse_args()
 
     spec = load(args.file, check_env=False).pipelines[args.pipeline]
-    champion = tracking.champion(spec, args.target)
+    champion = tracking.champion(RegistrySettings.of(spec), args.target)
     if champion is None:
         print(f"no champion for {args.pipeline}/{args.target} yet: run `smelter run --pipeline {args.pipeline}` first",
               file=sys.stderr)

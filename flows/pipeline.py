@@ -29,6 +29,7 @@ from flows import events, fleet, prefect_outcome, progress
 from flows.stages import run_step
 from tasks import graph
 from tasks.backends.tensorrt import triton_repository
+from tasks.config.settings import DecisionSettings, FigureSettings, GateSettings, RegistrySettings, RunSettings
 from tasks.config.spec import Candidate, PipelineSpec, PipelinesFile, load, point_words
 from tasks.judge import decide, gates, notify, promote, summary_figure
 from tasks.metrics import key_metrics, stage_metrics
@@ -98,7 +99,7 @@ def benchmark_target(spec: PipelineSpec, target: str, outcomes: list[CandidateOu
     built = [o for o in outcomes if o.candidate.target == target and o.status != "failed"]
     if not built:
         return
-    fetch = functools.partial(champion_build, spec, champion, store) if champion else None
+    fetch = functools.partial(champion_build, spec.name, champion, store) if champion else None
     step = graph.benchmark_step(spec, target, [o.candidate.name for o in built], champion, fetch)
     try:
         result = _unwrap(run_step(step, {("build", o.candidate.name): o.stages["build"] for o in built}, store, force))
@@ -113,10 +114,10 @@ def benchmark_target(spec: PipelineSpec, target: str, outcomes: list[CandidateOu
 
 
 @task(name="gate", cache_policy=NO_CACHE, persist_result=False)
-def gate_task(spec: PipelineSpec, outcome: CandidateOutcome, previous: dict[str, Any] | None) -> CandidateOutcome:
+def gate_task(settings: GateSettings, outcome: CandidateOutcome, previous: dict[str, Any] | None) -> CandidateOutcome:
     measured = stage_metrics(outcome.stages)
     outcome.metrics = key_metrics(measured)
-    outcome.gates = gates.evaluate(spec, measured, outcome.stages["accuracy"].outputs.get("validity"), previous)
+    outcome.gates = gates.evaluate(settings, measured, outcome.stages["accuracy"].outputs.get("validity"), previous)
     outcome.status = "passed" if outcome.passed_gates else "rejected"
     return outcome
 
@@ -142,9 +143,10 @@ def _gate(judged: _Judging, step: graph.Step) -> None:
     if not outcome.run_id:
         return
     if outcome.status != "failed":
-        previous = tracking.previous_version(judged.spec, outcome.candidate.target, outcome.candidate.precision,
+        previous = tracking.previous_version(RegistrySettings.of(judged.spec), outcome.candidate.target, outcome.candidate.precision,
                                              outcome.stages.get("build"), measured_on(outcome.stages.get("accuracy")))
-        outcome = gate_task.with_options(task_run_name=f"{step.node}/gate")(judged.spec, outcome, previous)
+        outcome = gate_task.with_options(task_run_name=f"{step.node}/gate")(GateSettings.of(judged.spec), outcome,
+                                                                            previous)
     try:
         tracking.record_gates(outcome.run_id, outcome)
     except Exception as e:  # noqa: BLE001 - an unrecorded verdict may not be promoted; the others go on
@@ -155,9 +157,10 @@ def _gate(judged: _Judging, step: graph.Step) -> None:
 def _promote(judged: _Judging, step: graph.Step) -> None:
     """Decide each target's champion and move the aliases, all or nothing: a failure rolls promotion back,
     fails the candidates that would have been promoted, and blocks what needs it (package, notify)."""
-    outcomes = decide.decide(judged.spec, judged.outcomes, judged.champions)
+    outcomes = decide.decide(DecisionSettings.of(judged.spec), judged.outcomes, judged.champions)
     try:
-        judged.outcomes = promote_task.with_options(task_run_name=f"{step.node}/promote")(judged.spec, outcomes)
+        judged.outcomes = promote_task.with_options(task_run_name=f"{step.node}/promote")(
+            RegistrySettings.of(judged.spec), RunSettings.of(judged.spec), outcomes)
     except Exception as e:  # noqa: BLE001 - promotion rolled back: its candidates failed, the alias did not move
         judged.blocked.add(step.ref)
         for outcome in outcomes:
@@ -166,11 +169,12 @@ def _promote(judged: _Judging, step: graph.Step) -> None:
 
 
 def _package(judged: _Judging, step: graph.Step) -> None:
-    _after_promotion(judged, step, package_task)
+    _after_promotion(judged, step, package_task, judged.spec.name,
+                     triton_repository.latency_slo_ms(judged.spec.performance.gates))
 
 
 def _notify(judged: _Judging, step: graph.Step) -> None:
-    judged.deliveries = _after_promotion(judged, step, notify_task) or []
+    judged.deliveries = _after_promotion(judged, step, notify_task, RegistrySettings.of(judged.spec)) or []
     events.announce_promotions(judged.outcomes)
 
 
@@ -179,17 +183,18 @@ JUDGES = {"gate": _gate, "promote": _promote, "package": _package, "notify": _no
 
 
 @task(name="track", cache_policy=NO_CACHE, persist_result=False)
-def track_task(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutcome, where: dict[str, str]) -> str:
-    return tracking.log_candidate(parent_run_id, spec, outcome, extra_tags=where)
+def track_task(parent_run_id: str, record: RunSettings, outcome: CandidateOutcome, where: dict[str, str]) -> str:
+    return tracking.log_candidate(parent_run_id, record, outcome, extra_tags=where)
 
 
-def _check_engine_here(spec: PipelineSpec, outcome: CandidateOutcome, run_id: str) -> None:
+def _check_engine_here(record: RunSettings, outcome: CandidateOutcome, run_id: str) -> None:
     """Check the engine on the host that built it (the parent may have no copy, or no GPU to load it on);
     the parent trusts this verdict for engines it cannot check itself."""
     if outcome.status == "failed":
         return
     try:
-        engine_check.check_before_registering(spec, outcome.stages, tracking.uploaded_engine_digest(run_id))
+        engine_check.check_before_registering(record.targets, record.profiles, outcome.stages,
+                                              tracking.uploaded_engine_digest(run_id))
     except engine_check.EngineRejected as e:
         tracking.record_engine_check(run_id, str(e))
     else:
@@ -205,21 +210,22 @@ def verdict_task(outcome: CandidateOutcome) -> State:
 
 
 @task(name="promote", cache_policy=NO_CACHE, persist_result=False)
-def promote_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
-    return promote.promote(spec, outcomes)
+def promote_task(registry: RegistrySettings, record: RunSettings,
+                 outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
+    return promote.promote(registry, record, outcomes)
 
 
 @task(name="notify", cache_policy=NO_CACHE, persist_result=False)
-def notify_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[dict[str, Any]]:
-    return notify.notify_promotions(spec, outcomes)
+def notify_task(registry: RegistrySettings, outcomes: list[CandidateOutcome]) -> list[dict[str, Any]]:
+    return notify.notify_promotions(registry, outcomes)
 
 
 @task(name="package", cache_policy=NO_CACHE, persist_result=False)
-def package_task(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> int:
+def package_task(pipeline: str, slo_ms: float | None, outcomes: list[CandidateOutcome]) -> int:
     """Triton model-repository entries for promoted TensorRT engines, logged to their runs."""
     with tempfile.TemporaryDirectory(prefix="smelter-triton-") as tmp:
         outcomes = [_with_engine_here(o, Path(tmp) / "engines") for o in outcomes]
-        packages = triton_repository.package_promoted(spec, outcomes, Path(tmp) / "repository")
+        packages = triton_repository.package_promoted(pipeline, slo_ms, outcomes, Path(tmp) / "repository")
         for run_id, model_dir in packages.items():
             tracking.log_directory(run_id, model_dir, f"triton/{model_dir.name}")
     return len(packages)
@@ -249,6 +255,7 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
     _quiet_libraries()
     store.clean(pipeline)
     memo = _Memo()
+    registry, record = RegistrySettings.of(spec), RunSettings.of(spec)
     where = fleet.placement_tags()
     outcomes, gpus = [], {}
     for on_gpu in (False, True):
@@ -258,7 +265,7 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
         with fleet.gpu_slot(on_gpu) as gpu:
             built = [build_candidate(spec, c, store, memo, force) for c in candidates if c.target in group]
             for target in group:
-                benchmark_target(spec, target, built, tracking.champion(spec, target), store, force)
+                benchmark_target(spec, target, built, tracking.champion(registry, target), store, force)
         outcomes += built
         gpus |= {t: gpu for t in group if gpu is not None}
     untracked = {}
@@ -266,8 +273,8 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
         gpu = gpus.get(outcome.candidate.target)
         try:
             run_id = track_task.with_options(task_run_name=f"{outcome.candidate.name}/track")(
-                parent_run_id, spec, outcome, where | ({"fleet.gpu": gpu} if gpu else {}))
-            _check_engine_here(spec, outcome, run_id)
+                parent_run_id, record, outcome, where | ({"fleet.gpu": gpu} if gpu else {}))
+            _check_engine_here(record, outcome, run_id)
         except Exception as e:  # noqa: BLE001 - the parent finds no run for it and fails it; the others go on
             untracked[outcome.candidate.name] = f"its MLflow run could not be logged: {described(e)}"
             progress.stage_failed(outcome.candidate.name, "track", described(e))
@@ -284,7 +291,7 @@ def _build_everywhere(specs: PipelinesFile, spec: PipelineSpec, targets: list[st
     """Run every target's builds, this pool's in-process and the others' on their pools at the same time;
     returns why the targets whose build did not complete, and the candidates whose run was not logged, have no
     outcome ({target or candidate: reason})."""
-    local, remote = fleet.split_by_pool(spec, targets, here)
+    local, remote = fleet.split_by_pool([spec.target(t) for t in targets], here)
     futures = {pool: build_on_pool_task.with_options(task_run_name=f"{spec.name}@{pool}").submit(
         pool, build_parameters | {"targets": pool_targets, "parent_run_id": parent_run_id},
         specs.fleet.worker_timeout) for pool, pool_targets in remote.items()}
@@ -304,10 +311,10 @@ def _build_everywhere(specs: PipelinesFile, spec: PipelineSpec, targets: list[st
     return missing
 
 
-def _joined(spec: PipelineSpec, candidates: list[Candidate], parent_run_id: str, store: ArtifactStore,
+def _joined(pipeline: str, candidates: list[Candidate], parent_run_id: str, store: ArtifactStore,
             missing: dict[str, str]) -> list[CandidateOutcome]:
     """Every candidate as its build logged it in MLflow; one with no run failed, with the reason."""
-    logged = tracking.candidate_outcomes(spec, parent_run_id, store.root)
+    logged = tracking.candidate_outcomes(pipeline, parent_run_id, store.root)
     outcomes = []
     for candidate in candidates:
         outcome = logged.get(candidate.name)
@@ -341,19 +348,19 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
     params = {"file": file, "force": force, "gate_point": point_words(spec.gate_point)}
     with tracking.pipeline_run(spec, run_name, params=params) as parent_run_id:
         chosen = list(dict.fromkeys(c.target for c in candidates))
-        champions = {t: tracking.champion(spec, t) for t in chosen}
+        champions = {t: tracking.champion(RegistrySettings.of(spec), t) for t in chosen}
         build_parameters = {"file": file, "pipeline": pipeline, "precisions": precisions, "force": force,
                             "artifacts": artifacts, "allow_outside_paths": allow_outside_paths}
         missing = _build_everywhere(specs, spec, chosen, parent_run_id, build_parameters, pool)
-        judged = _Judging(spec, _joined(spec, candidates, parent_run_id, store, missing), champions)
+        judged = _Judging(spec, _joined(spec.name, candidates, parent_run_id, store, missing), champions)
         for step in graph.judge_steps(spec, candidates):
             if not judged.blocked.intersection(step.needs):
                 JUDGES[step.stage](judged, step)
         outcomes, deliveries = judged.outcomes, judged.deliveries
-        figure = _summary_figure(spec, outcomes, parent_run_id, store.root / TOOL_CACHES / summary_figure.DRAWN)
+        figure = _summary_figure(FigureSettings.of(spec), outcomes, parent_run_id, store.root / TOOL_CACHES / summary_figure.DRAWN)
         for outcome in outcomes:
             if outcome.run_id:
-                tracking.finish_candidate(outcome.run_id, spec, outcome, figure)
+                tracking.finish_candidate(outcome.run_id, RunSettings.of(spec), outcome, figure)
             verdict_task.with_options(task_run_name=outcome.candidate.name)(outcome, return_state=True)
         tracking.describe_pipeline_run(parent_run_id, outcomes)
         _show_outboxes(outcomes, deliveries)
@@ -384,15 +391,15 @@ def flow_summaries(state: State) -> list[dict[str, Any]]:
     return summaries
 
 
-def _summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome], parent_run_id: str,
+def _summary_figure(settings: FigureSettings, outcomes: list[CandidateOutcome], parent_run_id: str,
                     drawn: Path) -> bytes | None:
     """The run's summary figure, logged on the parent run; None (and a warning) when it cannot be drawn:
     a picture never fails a run."""
     try:
-        figure = summary_figure.summary_png(spec, outcomes, drawn)
+        figure = summary_figure.summary_png(settings, outcomes, drawn)
         tracking.log_summary_figure(parent_run_id, figure)
     except Exception as e:  # noqa: BLE001 - see the docstring
-        progress.message(f"warning: {spec.name}: no summary figure: {type(e).__name__}: {e}")
+        progress.message(f"warning: {settings.pipeline}: no summary figure: {type(e).__name__}: {e}")
         return None
     return figure
 
@@ -441,12 +448,12 @@ def _run_link(run_id: str | None) -> str:
         return ""
 
 
-def _after_promotion(judged: _Judging, step: graph.Step, stage_task: Any) -> Any:
-    """Package or notify; returns what the task returned (None when it failed). The alias has moved by
-    now, so a failure here is reported on the promoted candidates without undoing their promotion; an
-    unsent event stays pending for the next run or `smelter notify --retry`."""
+def _after_promotion(judged: _Judging, step: graph.Step, stage_task: Any, *settings: Any) -> Any:
+    """Package or notify, given the task's settings; returns what the task returned (None when it failed). The
+    alias has moved by now, so a failure here is reported on the promoted candidates without undoing their
+    promotion; an unsent event stays pending for the next run or `smelter notify --retry`."""
     try:
-        return stage_task.with_options(task_run_name=f"{step.node}/{step.stage}")(judged.spec, judged.outcomes)
+        return stage_task.with_options(task_run_name=f"{step.node}/{step.stage}")(*settings, judged.outcomes)
     except Exception as e:  # noqa: BLE001 - see the docstring
         progress.stage_failed("promotion", step.stage, f"{type(e).__name__}: {e}")
         for outcome in judged.outcomes:

@@ -21,7 +21,7 @@ from typing import Any
 
 from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.table import BACKENDS
-from tasks.config.spec import Candidate, PipelineSpec
+from tasks.config.spec import Candidate, PipelineSpec, TargetSpec
 from tasks.outcome import Champion
 from tasks.runtime.stage_runner import Work
 from tasks.runtime.store import ArtifactStore, StageResult
@@ -61,8 +61,8 @@ class Step:
         return self.stage, self.node
 
 
-def builds_from_torch(spec: PipelineSpec, target_name: str) -> bool:
-    return BACKENDS[spec.target(target_name).backend].source == "torch"
+def builds_from_torch(target: TargetSpec) -> bool:
+    return BACKENDS[target.backend].source == "torch"
 
 
 def candidate_steps(spec: PipelineSpec, candidate: Candidate, store: ArtifactStore | None = None) -> list[Step]:
@@ -74,7 +74,7 @@ def candidate_steps(spec: PipelineSpec, candidate: Candidate, store: ArtifactSto
     p, t, label = candidate.precision, candidate.target, candidate.name
     judged = functools.partial(Step, "accuracy", label, target=t,
                                work=lambda b: accuracy.accuracy_work(accuracy.AccuracyConfig.of(spec), b, store))
-    if builds_from_torch(spec, t):
+    if builds_from_torch(spec.target(t)):
         built = Step("build", label, (), lambda: build.build_work(build.BuildConfig.of(spec, t, p), None), target=t)
         return [built, judged((built.ref,))]
     exported = Step("export", spec.name, (), lambda: export.export_work(export.ExportConfig.of(spec)))
@@ -122,7 +122,7 @@ def judge_steps(spec: PipelineSpec, candidates: list[Candidate]) -> list[Step]:
     promoted = Step("promote", spec.name, tuple(g.ref for g in gates), None,
                     reads=f"the gates and each target's @{spec.promotion.alias} in the registry")
     steps = [*gates, promoted]
-    if any(_packages_plans(spec, t) for t in dict.fromkeys(c.target for c in candidates)):
+    if any(_packages_plans(spec.target(t)) for t in dict.fromkeys(c.target for c in candidates)):
         steps.append(Step("package", spec.name, (promoted.ref,), None, reads="promoted plans: Triton model entries"))
     hooks = f"{len(spec.promotion.webhooks)} webhook{'s' * (len(spec.promotion.webhooks) != 1)}"
     steps.append(Step("notify", spec.name, (promoted.ref,), None,
@@ -130,18 +130,18 @@ def judge_steps(spec: PipelineSpec, candidates: list[Candidate]) -> list[Step]:
     return steps
 
 
-def _packages_plans(spec: PipelineSpec, target_name: str) -> bool:
+def _packages_plans(target: TargetSpec) -> bool:
     """Whether the target's backend builds plans that Triton serves (so promotion packages them)."""
     try:
-        return bool(get_backend(spec.target(target_name).backend).triton_plan)
+        return bool(get_backend(target.backend).triton_plan)
     except BackendUnavailable:  # a plugin that cannot load here builds nothing here either
         return False
 
 
-def unavailable(spec: PipelineSpec, target_name: str) -> str | None:
+def unavailable(target: TargetSpec) -> str | None:
     """Why this machine cannot build or run the target's engines (its backend absent, wrong GPU), or None."""
     try:
-        return get_backend(spec.target(target_name).backend).missing(spec.target(target_name))
+        return get_backend(target.backend).missing(target)
     except BackendUnavailable as e:
         return str(e)
 

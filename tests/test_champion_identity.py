@@ -69,7 +69,7 @@ def test_the_champion_is_never_taken_from_a_store_entry_with_other_bytes_under_i
     # the registered engine as an earlier run downloaded it from the registry
     shutil.copytree(registered.path, store.root / CHAMPIONS_DIR / "tiny-cpu" / "7")
 
-    got = champion_build(spec, champion, store)
+    got = champion_build(spec.name, champion, store)
     assert got.path == store.root / CHAMPIONS_DIR / "tiny-cpu" / "7" and same_engine(champion, got)
-    assert champion_build(spec, Champion("tiny-cpu", "8", "run-8", rebuilt.key, "fp32",
+    assert champion_build(spec.name, Champion("tiny-cpu", "8", "run-8", rebuilt.key, "fp32",
                                          engine_identity=engine_identity(rebuilt)), store).path == rebuilt.path

@@ -17,7 +17,7 @@ from typing import Any
 
 from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.tensorrt import plan as trt_plan
-from tasks.config.spec import PipelineSpec
+from tasks.config.spec import Threshold
 
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int8": "TYPE_INT8",
                 "int32": "TYPE_INT32", "int64": "TYPE_INT64", "bool": "TYPE_BOOL", "uint8": "TYPE_UINT8"}
@@ -36,9 +36,9 @@ class PromotedEngine:
         return trt_plan.read_sidecar(self.engine_dir)
 
 
-def latency_slo_ms(spec: PipelineSpec) -> float | None:
+def latency_slo_ms(performance_gates: dict[str, Threshold]) -> float | None:
     """The pipeline's p99 latency SLO: performance.gates.p99_ms.max, if set."""
-    gate = spec.performance.gates.get("p99_ms")
+    gate = performance_gates.get("p99_ms")
     return gate.max if gate is not None else None
 
 
@@ -136,8 +136,9 @@ def serves(build_outputs: dict[str, Any]) -> bool:
         return False
 
 
-def package_promoted(spec: PipelineSpec, outcomes: list[Any], repo_dir: Path) -> dict[str, Path]:
-    """One Triton entry per promoted candidate whose engine is a plan, keyed by its MLflow run id.
+def package_promoted(pipeline: str, slo_ms: float | None, outcomes: list[Any], repo_dir: Path) -> dict[str, Path]:
+    """One Triton entry per promoted candidate whose engine is a plan, keyed by its MLflow run id; `slo_ms` is the
+    p99 latency its preferred batch sizes must meet (`latency_slo_ms`).
 
     Engines promoted in the same run for the pipeline's other arch targets (same precision) join
     the entry through cc_model_filenames, so one Triton model serves the whole fleet.
@@ -148,6 +149,6 @@ def package_promoted(spec: PipelineSpec, outcomes: list[Any], repo_dir: Path) ->
         siblings = [o for o in promoted if o is not outcome and o.candidate.precision == outcome.candidate.precision]
         engines = [PromotedEngine(o.stages["build"].path) for o in [outcome, *siblings]]
         packages[outcome.run_id] = write_triton_repository(
-            repo_dir / outcome.run_id, spec.name, engines, outcome.stages["benchmark"].outputs.get("points", []),
-            latency_slo_ms(spec), version=int(outcome.model_version))
+            repo_dir / outcome.run_id, pipeline, engines, outcome.stages["benchmark"].outputs.get("points", []),
+            slo_ms, version=int(outcome.model_version))
     return packages
