@@ -143,8 +143,9 @@ def _gate(judged: _Judging, step: graph.Step) -> None:
     if not outcome.run_id:
         return
     if outcome.status != "failed":
-        previous = tracking.previous_version(RegistrySettings.of(judged.spec), outcome.candidate.target, outcome.candidate.precision,
-                                             outcome.stages.get("build"), measured_on(outcome.stages.get("accuracy")))
+        previous = tracking.previous_version(RegistrySettings.of(judged.spec), outcome.candidate.target,
+                                             outcome.candidate.precision, outcome.stages.get("build"),
+                                             measured_on(outcome.stages.get("accuracy")))
         outcome = gate_task.with_options(task_run_name=f"{step.node}/gate")(GateSettings.of(judged.spec), outcome,
                                                                             previous)
     try:

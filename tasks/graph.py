@@ -22,6 +22,8 @@ from typing import Any
 from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.table import BACKENDS
 from tasks.config.spec import Candidate, PipelineSpec, TargetSpec
+from tasks.config.stage_settings import (AccuracyConfig, BenchmarkConfig, BuildConfig, ExportConfig,
+                                         ValidateConfig)
 from tasks.outcome import Champion
 from tasks.runtime.stage_runner import Work
 from tasks.runtime.store import ArtifactStore, StageResult
@@ -73,16 +75,16 @@ def candidate_steps(spec: PipelineSpec, candidate: Candidate, store: ArtifactSto
     """
     p, t, label = candidate.precision, candidate.target, candidate.name
     judged = functools.partial(Step, "accuracy", label, target=t,
-                               work=lambda b: accuracy.accuracy_work(accuracy.AccuracyConfig.of(spec), b, store))
+                               work=lambda b: accuracy.accuracy_work(AccuracyConfig.of(spec), b, store))
     if builds_from_torch(spec.target(t)):
-        built = Step("build", label, (), lambda: build.build_work(build.BuildConfig.of(spec, t, p), None), target=t)
+        built = Step("build", label, (), lambda: build.build_work(BuildConfig.of(spec, t, p), None), target=t)
         return [built, judged((built.ref,))]
-    exported = Step("export", spec.name, (), lambda: export.export_work(export.ExportConfig.of(spec)))
+    exported = Step("export", spec.name, (), lambda: export.export_work(ExportConfig.of(spec)))
     validated = Step("validate", spec.name, (exported.ref,),
-                     lambda e: validate.validate_work(validate.ValidateConfig.of(spec), e))
+                     lambda e: validate.validate_work(ValidateConfig.of(spec), e))
     precise = Step("precision", f"{spec.name}/{p}", (exported.ref, validated.ref),
                    lambda e, _validated: precision.precision_work(precision.PrecisionConfig.of(spec, p), e))
-    built = Step("build", label, (precise.ref,), lambda r: build.build_work(build.BuildConfig.of(spec, t, p), r),
+    built = Step("build", label, (precise.ref,), lambda r: build.build_work(BuildConfig.of(spec, t, p), r),
                  target=t)
     return [exported, validated, precise, built, judged((built.ref,))]
 
@@ -93,7 +95,7 @@ def benchmark_step(spec: PipelineSpec, target: str, candidates: list[str], champ
     needs = tuple(("build", name) for name in candidates)
 
     def work(*builds: StageResult) -> Work:
-        return benchmark.benchmark_work(benchmark.BenchmarkConfig.of(spec, target), dict(zip(candidates, builds)),
+        return benchmark.benchmark_work(BenchmarkConfig.of(spec, target), dict(zip(candidates, builds)),
                                         champion, champion_build)
 
     return Step("benchmark", f"{spec.name}/{target}", needs, work, target=target)

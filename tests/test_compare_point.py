@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.config.spec import PipelineSpec
+from tasks.config.stage_settings import BenchmarkConfig
 from tasks.judge.compare import compared_point
-from tasks.stages.benchmark import BenchmarkConfig
 
 
 def decoder(task: str, **performance: Any) -> PipelineSpec:

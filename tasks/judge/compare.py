@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config.spec import PipelinesFile, SpecError, is_decode_point, point_words, registered_model_name
+from tasks.config.stage_settings import BenchmarkConfig
 from tasks.measure.hostload import LoadWatch
 from tasks.measure.rounds import Contender, measure_rounds
 from tasks.measure.stats import METHOD, MIN_ROUNDS, Ratio
 from tasks.registry import tracking
 from tasks.runtime.store import ArtifactStore
-from tasks.stages.benchmark import BenchmarkConfig, benchmark_threads, engine_timer, fed_shape, prefill_past
+from tasks.stages.benchmark import benchmark_threads, engine_timer, fed_shape, prefill_past
 from tasks.stages.build import open_engine
 from tasks.stages.champion import champion_build
 from tasks.stages.inputs import point_feeds, read_texts

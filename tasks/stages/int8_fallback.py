@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from tasks.config.spec import PipelineSpec
+from tasks.config.spec import ModelSpec, PipelineSpec
 from tasks.stages.accuracy import cosine, mean_pool
 
 PROBE_BATCHES = 4  # calibration batches the one-pass sensitivity reads (the gate check reads them all)
@@ -49,20 +49,20 @@ def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray], outputs: l
     return session.run(outputs, {k: v for k, v in feeds.items() if k in names})
 
 
-def _primary_output(spec: PipelineSpec, model: onnx.ModelProto) -> str:
-    names = [o.name for o in model.graph.output]
-    wanted = "logits" if spec.model.is_decoder or spec.model.task == "text-classification" else "last_hidden_state"
+def _primary_output(model: ModelSpec, exported: onnx.ModelProto) -> str:
+    names = [o.name for o in exported.graph.output]
+    wanted = "logits" if model.is_decoder or model.task == "text-classification" else "last_hidden_state"
     return wanted if wanted in names else names[0]
 
 
-def calibration_metrics(spec: PipelineSpec, reference: list[np.ndarray], candidate: list[np.ndarray],
+def calibration_metrics(model: ModelSpec, reference: list[np.ndarray], candidate: list[np.ndarray],
                         batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
     """The gated metrics of `candidate` outputs vs `reference` outputs, over every calibration sample."""
-    if spec.model.is_decoder:
+    if model.is_decoder:
         agree = [(r.argmax(-1) == c.argmax(-1))[b["attention_mask"][:, -r.shape[1]:].astype(bool)]
                  for r, c, b in zip(reference, candidate, batches)]
         return {"top1_agreement": float(np.concatenate(agree).mean())}
-    if spec.model.task == "text-classification":
+    if model.task == "text-classification":
         cosines = np.concatenate([cosine(r, c) for r, c in zip(reference, candidate)])
     else:
         cosines = np.concatenate([cosine(mean_pool(r, b["attention_mask"]), mean_pool(c, b["attention_mask"]))
@@ -136,13 +136,13 @@ def keep_until_passing(spec: PipelineSpec, source: Path, target: Path, batches: 
     settings = spec.quantization.accuracy_fallback
     gates = gated_metrics(spec)
     model = onnx.load(str(source))
-    output = _primary_output(spec, model)
+    output = _primary_output(spec.model, model)
     fp32 = _session(source)
     reference = [_run(fp32, feeds, [output])[0] for feeds in batches]
 
     def measure() -> dict[str, float]:
         session = _session(target)
-        return calibration_metrics(spec, reference, [_run(session, f, [output])[0] for f in batches], batches)
+        return calibration_metrics(spec.model, reference, [_run(session, f, [output])[0] for f in batches], batches)
 
     before = measure()
     record: dict[str, Any] = {"max_float_share": settings.max_float_share, "gates": list(gates),
@@ -173,10 +173,11 @@ def keep_until_passing(spec: PipelineSpec, source: Path, target: Path, batches: 
 
 def graph_metrics(spec: PipelineSpec, source: Path, graph: Path, batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
     """The gated metrics of another int8 graph (the CPU one) on the same calibration feeds."""
-    output = _primary_output(spec, onnx.load(str(source), load_external_data=False))
+    output = _primary_output(spec.model, onnx.load(str(source), load_external_data=False))
     fp32, session = _session(source), _session(graph)
     reference = [_run(fp32, f, [output])[0] for f in batches]
-    return _rounded(calibration_metrics(spec, reference, [_run(session, f, [output])[0] for f in batches], batches))
+    return _rounded(calibration_metrics(spec.model, reference, [_run(session, f, [output])[0] for f in batches],
+                                        batches))
 
 
 def _rounded(metrics: dict[str, float]) -> dict[str, float]:
