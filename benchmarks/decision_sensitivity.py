@@ -84,8 +84,9 @@ def main() -> int:
 
         with tempfile.TemporaryDirectory() as scratch:
             started = time.perf_counter()
-            result = run_benchmark(BenchmarkConfig.of(spec, target.name), {name: candidate_build}, ArtifactStore(Path(scratch)),
-                                   champion=champion, champion_build=lambda: champion_build, open_runner=opener)
+            result = run_benchmark(BenchmarkConfig.of(spec, target.name), {name: candidate_build},
+                                   ArtifactStore(Path(scratch)), champion=champion,
+                                   champion_build=lambda: champion_build, open_runner=opener)
             seconds = time.perf_counter() - started
         outcome = CandidateOutcome(Candidate(spec.name, args.precision, target.name), "passed",
                                    stages={"build": candidate_build, "benchmark": for_candidate(result, name, champion)},

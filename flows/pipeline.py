@@ -358,7 +358,8 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
             if not judged.blocked.intersection(step.needs):
                 JUDGES[step.stage](judged, step)
         outcomes, deliveries = judged.outcomes, judged.deliveries
-        figure = _summary_figure(FigureSettings.of(spec), outcomes, parent_run_id, store.root / TOOL_CACHES / summary_figure.DRAWN)
+        figure = _summary_figure(FigureSettings.of(spec), outcomes, parent_run_id,
+                                 store.root / TOOL_CACHES / summary_figure.DRAWN)
         for outcome in outcomes:
             if outcome.run_id:
                 tracking.finish_candidate(outcome.run_id, RunSettings.of(spec), outcome, figure)

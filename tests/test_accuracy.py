@@ -79,14 +79,16 @@ def test_fp32_encoder_matches_reference_and_is_cached(bert_spec: PipelineSpec, t
 
 def test_damaged_engine_scores_low_cosine(bert_spec: PipelineSpec, tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path / "artifacts")
-    metrics = run_accuracy(AccuracyConfig.of(bert_spec), built_engine(bert_spec, store, flip_half_the_signs), store).outputs["metrics"]
+    engine = built_engine(bert_spec, store, flip_half_the_signs)
+    metrics = run_accuracy(AccuracyConfig.of(bert_spec), engine, store).outputs["metrics"]
     assert metrics["cosine_mean"] < 0.5
     assert metrics["max_abs_error"] > 0.1
 
 
 def test_nan_output_fails_validity_at_every_point(bert_spec: PipelineSpec, tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path / "artifacts")
-    validity = run_accuracy(AccuracyConfig.of(bert_spec), built_engine(bert_spec, store, poison_one_channel), store).outputs["validity"]
+    engine = built_engine(bert_spec, store, poison_one_channel)
+    validity = run_accuracy(AccuracyConfig.of(bert_spec), engine, store).outputs["validity"]
     assert validity["finite"] is False
     assert validity["points"] == {"min": False, "opt": False, "max": False}
     assert any("last_hidden_state has" in p and "NaN/Inf" in p and "max {'batch': 4, 'seq': 32}" in p

@@ -113,7 +113,8 @@ def test_the_gate_point_gets_the_main_budget_and_other_points_the_survey_budget(
     spec = load(pipeline_factory(tiny_bert_dir, "feature-extraction", benchmark=benchmark)).pipelines["tiny"]
     store = ArtifactStore(tmp_path / "artifacts")
     built = engines(spec, store)
-    view = for_candidate(run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": built["cpu"]}, store), "tiny/fp32/cpu")
+    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": built["cpu"]}, store)
+    view = for_candidate(result, "tiny/fp32/cpu")
     survey, gate = view.outputs["points"]
     assert (gate["batch"], survey["batch"]) == (2, 1) and view.outputs["gate_point"] == gate
     assert gate["seconds"] >= 2, gate["seconds"]  # the survey's one round spent its budget: see the note below
@@ -144,8 +145,8 @@ def test_the_champion_engine_is_measured_in_the_same_rounds_unless_it_is_a_candi
     assert {r["versus"] for r in result.outputs["comparisons"]} == {REFERENCE, "champion v7"}
 
     # The same engine as the champion is the champion: no comparison with itself, no extra engine.
-    same = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu-basic": built["cpu-basic"]}, store, champion=champion,
-                         champion_build=fetch)
+    same = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu-basic": built["cpu-basic"]}, store,
+                         champion=champion, champion_build=fetch)
     view = for_candidate(same, "tiny/fp32/cpu-basic", champion)
     assert fetched == ["7"] and view.outputs["champion"]["label"] == "tiny/fp32/cpu-basic"
     assert "vs_champion" not in view.outputs["gate_point"]
@@ -175,7 +176,8 @@ def test_a_champion_that_cannot_be_loaded_is_recorded_with_the_reason(encoder: t
     def fetch() -> StageResult:
         raise BackendUnavailable("engine built for another CPU")
 
-    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": built["cpu"]}, store, champion=champion, champion_build=fetch)
+    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": built["cpu"]}, store, champion=champion,
+                           champion_build=fetch)
     recorded = for_candidate(result, "tiny/fp32/cpu", champion).outputs["champion"]
     assert recorded["label"] is None and recorded["permanent"] and "another CPU" in recorded["unavailable"]
     assert "vs_champion" not in for_candidate(result, "tiny/fp32/cpu", champion).outputs["gate_point"]

@@ -50,7 +50,8 @@ def test_build_writes_the_engine_and_is_cached(tmp_path: Path) -> None:
     assert outputs["hardware"]["isa"] == json.loads(first.file("engine.json").read_text())["hardware"]["isa"]
     again = run_build(BuildConfig.of(spec, "cpu", "fp32"), precision_output(store, tmp_path), store)
     assert again.cached and again.key == first.key
-    assert not run_build(BuildConfig.of(spec, "cpu", "fp32"), precision_output(store, tmp_path), store, force=True).cached
+    assert not run_build(BuildConfig.of(spec, "cpu", "fp32"), precision_output(store, tmp_path), store,
+                         force=True).cached
 
 
 def test_key_covers_target_settings_and_upstream(tmp_path: Path) -> None:
@@ -79,7 +80,8 @@ def test_a_renamed_target_gets_its_own_engine(tmp_path: Path) -> None:
 
 def test_int8_builds_from_the_cpu_graph(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path / "artifacts")
-    result = run_build(BuildConfig.of(make_spec(), "cpu", "int8"), precision_output(store, tmp_path, cpu_graph=True), store)
+    int8 = precision_output(store, tmp_path, cpu_graph=True)
+    result = run_build(BuildConfig.of(make_spec(), "cpu", "int8"), int8, store)
     assert result.outputs["source_model"] == "model.cpu.onnx"
 
 

@@ -50,7 +50,8 @@ def test_a_rebuild_under_the_champions_key_is_measured_against_the_champions_own
         fetched.append(champion.version)
         return registered
 
-    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": rebuilt}, store, champion=champion, champion_build=fetch)
+    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": rebuilt}, store, champion=champion,
+                           champion_build=fetch)
     view = for_candidate(result, "tiny/fp32/cpu", champion)
     assert fetched == ["7"] and view.outputs["champion"]["label"] == "champion v7"
     low, high = view.outputs["gate_point"]["vs_champion_ci"]
@@ -58,7 +59,8 @@ def test_a_rebuild_under_the_champions_key_is_measured_against_the_champions_own
 
     same_bytes = Champion("tiny-cpu", "7", "run-7", "a-key-from-another-toolchain", "fp32",
                           engine_identity=engine_identity(rebuilt))
-    again = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": rebuilt}, store, champion=same_bytes, champion_build=fetch)
+    again = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": rebuilt}, store, champion=same_bytes,
+                          champion_build=fetch)
     view = for_candidate(again, "tiny/fp32/cpu", same_bytes)
     assert fetched == ["7"], "the same bytes are the champion: not loaded twice"
     assert view.outputs["champion"]["label"] == "tiny/fp32/cpu" and "vs_champion" not in view.outputs["gate_point"]

@@ -64,8 +64,9 @@ def test_the_parent_judges_a_candidate_from_its_mlflow_run_alone(tmp_path: Path)
         {n: (s.key, s.cached, s.outputs) for n, s in built.stages.items()}
     assert stage_metrics(again.stages) == stage_metrics(built.stages)
     validity = again.stages["accuracy"].outputs["validity"]
-    assert gates.evaluate(GateSettings.of(spec), stage_metrics(again.stages), validity, None) == \
-        gates.evaluate(GateSettings.of(spec), stage_metrics(built.stages), built.stages["accuracy"].outputs["validity"], None)
+    settings = GateSettings.of(spec)
+    assert gates.evaluate(settings, stage_metrics(again.stages), validity, None) == \
+        gates.evaluate(settings, stage_metrics(built.stages), built.stages["accuracy"].outputs["validity"], None)
     assert not again.stages["build"].path.exists(), "the parent's store does not have another host's build"
     engine = tracking.engine_dir(again, tmp_path / "downloaded")
     assert (engine / "model.onnx").read_bytes() == built.stages["build"].file("model.onnx").read_bytes()

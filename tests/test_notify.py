@@ -220,8 +220,9 @@ def test_an_event_whose_alias_never_moved_is_abandoned_and_the_alias_holder_keep
     with tracking.pipeline_run(spec, "run", {}) as parent_id:
         second.run_id = tracking.log_candidate(parent_id, RunSettings.of(spec), second)
     version = tracking.create_version(first.model_name, second.run_id, {"cache_key": second.cache_key}).version
-    event = notify.promotion_event(RegistrySettings.of(spec), second, first.model_name, version, {}, "2026-01-01T00:00:00+00:00")
-    notify.record_event(first.model_name, version, notify.new_record(RegistrySettings.of(spec), event, first.model_version))
+    registry = RegistrySettings.of(spec)
+    event = notify.promotion_event(registry, second, first.model_name, version, {}, "2026-01-01T00:00:00+00:00")
+    notify.record_event(first.model_name, version, notify.new_record(registry, event, first.model_version))
 
     results = notify.retry_pending([RegistrySettings.of(spec)], backoff_s=0.01)
     assert [(r["version"], r["status"]) for r in results] == [(version, "abandoned")]

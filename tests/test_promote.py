@@ -449,4 +449,5 @@ def test_the_accuracy_baseline_is_the_previous_version_holding_another_engine(tm
                           seed=int(first.cache_key[:8], 16))  # the seed candidate_outcome gave the first engine
     assert same_bytes.cache_key != first.cache_key
     assert tracking.engine_identity(same_bytes.stages["build"]) == tracking.engine_identity(first.stages["build"])
-    assert tracking.previous_version(RegistrySettings.of(spec), "cpu", "int8", same_bytes.stages["build"], eval_text=None) is None
+    assert tracking.previous_version(RegistrySettings.of(spec), "cpu", "int8", same_bytes.stages["build"],
+                                     eval_text=None) is None

@@ -89,8 +89,9 @@ def test_metric_names_line_up_across_candidates(tmp_path: Path) -> None:
     spec = pipeline_spec(_unique("track"))
     store = ArtifactStore(tmp_path)
     with tracking.pipeline_run(spec, "run", {}) as parent_id:
-        cpu = tracking.log_candidate(parent_id, RunSettings.of(spec), candidate_outcome(store, spec, "int8", "cpu", throughput=400.0))
-        gpu = tracking.log_candidate(parent_id, RunSettings.of(spec), candidate_outcome(store, spec, "fp32", "sm90", throughput=900.0))
+        record = RunSettings.of(spec)
+        cpu = tracking.log_candidate(parent_id, record, candidate_outcome(store, spec, "int8", "cpu", throughput=400.0))
+        gpu = tracking.log_candidate(parent_id, record, candidate_outcome(store, spec, "fp32", "sm90", throughput=900.0))
     client = MlflowClient()
     assert set(client.get_run(cpu).data.metrics) == set(client.get_run(gpu).data.metrics)
     assert client.get_run(gpu).data.tags["arch"] == "sm90"

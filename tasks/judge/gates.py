@@ -91,7 +91,8 @@ def regression_gate(settings: GateSettings, metrics: dict[str, float], previous:
     return GateResult("regression", not reasons, tuple(reasons))
 
 
-def accuracy_gate(thresholds: dict[str, Threshold], values: dict[str, float], validity: dict[str, Any] | None) -> GateResult:
+def accuracy_gate(thresholds: dict[str, Threshold], values: dict[str, float],
+                  validity: dict[str, Any] | None) -> GateResult:
     """The `accuracy.gates` thresholds, and no sample with a NaN or Inf figure: a mean over samples may hide one,
     so each is named (the accuracy stage records them with its validity checks)."""
     checked = _check("accuracy", thresholds, values)

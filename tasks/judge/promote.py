@@ -78,7 +78,8 @@ class _Undo:
         return failures
 
 
-def promote(registry: RegistrySettings, record: RunSettings, outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
+def promote(registry: RegistrySettings, record: RunSettings,
+            outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
     """Register passing candidates and give the alias to the one each target's decision chose; `record` is what
     a registered model's description and tags name, the engine check and the engine card read of the pipeline.
 
@@ -92,7 +93,8 @@ def promote(registry: RegistrySettings, record: RunSettings, outcomes: list[Cand
     if unlogged:
         raise PromotionError(f"candidates {unlogged} passed their gates but have no MLflow run_id; "
                              "log them with tracking.log_candidate before promotion")
-    by_target = {t.name: [o for o in outcomes if o.candidate.target == t.name and o.passed_gates] for t in record.targets}
+    by_target = {t.name: [o for o in outcomes if o.candidate.target == t.name and o.passed_gates]
+                 for t in record.targets}
     names = sorted(registry.model_name(t) for t, passing in by_target.items() if passing)
     undo = _Undo()
     decisions: list[_Decision] = []
@@ -193,7 +195,8 @@ def _same_engine(name: str, outcome: CandidateOutcome) -> list[tracking.Register
     return tracking.versions_of_engine(name, tracking.engine_identity(build), build.key)
 
 
-def _register(registry: RegistrySettings, record: RunSettings, name: str, outcome: CandidateOutcome, undo: _Undo) -> str:
+def _register(registry: RegistrySettings, record: RunSettings, name: str, outcome: CandidateOutcome,
+              undo: _Undo) -> str:
     """The one version for this engine's bytes: an existing one (its figures brought up to date), else a new one.
 
     Reusing keeps an unchanged nightly re-run from piling up identical versions and from
@@ -274,8 +277,8 @@ def _redescribe(name: str, version: str, status: str, tags: dict[str, str], reas
              lambda: tracking.set_version_description(name, version, old))
 
 
-def _refresh_measurement(registry: RegistrySettings, record: RunSettings, name: str, version: tracking.RegisteredVersion,
-                         outcome: CandidateOutcome, undo: _Undo) -> None:
+def _refresh_measurement(registry: RegistrySettings, record: RunSettings, name: str,
+                         version: tracking.RegisteredVersion, outcome: CandidateOutcome, undo: _Undo) -> None:
     """Bring a reused version's metric tags, description and engine card (its key metrics and capacity plan)
     to this run's measurement when it is newer than the one they show: a re-measurement replaced the
     published one (same key, later date)."""

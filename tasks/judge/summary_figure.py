@@ -76,7 +76,8 @@ def summary_figure(settings: FigureSettings, outcomes: list[CandidateOutcome]) -
     return figure
 
 
-def _speed_panel(axes: Axes, settings: FigureSettings, outcomes: list[CandidateOutcome], gate: Threshold | None) -> None:
+def _speed_panel(axes: Axes, settings: FigureSettings, outcomes: list[CandidateOutcome],
+                 gate: Threshold | None) -> None:
     for row, outcome in enumerate(outcomes):
         value = outcome.metrics.get(RATIO)
         colour = COLOURS[outcome.status]

@@ -55,7 +55,8 @@ def log_candidate(parent_run_id: str, record: RunSettings, outcome: CandidateOut
     try:
         mlflow.log_params(candidate_params(record, outcome))
         # the headline first: the run page lists metrics in the order they were logged, not by name
-        mlflow.log_metrics(rounded(headline_metrics(record.gated_accuracy, metrics) | metrics | stage_seconds(outcome.stages)))
+        mlflow.log_metrics(rounded(headline_metrics(record.gated_accuracy, metrics) | metrics
+                                   | stage_seconds(outcome.stages)))
         _log_engine(record.pipeline, outcome)
         _log_stage_files(outcome.stages)
         _log_tables(outcome.stages)

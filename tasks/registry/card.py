@@ -91,7 +91,8 @@ def capacity_section(record: RunSettings, outcome: CandidateOutcome, metrics: di
     head = ["## Capacity plan", ""]
     try:
         figures = capacity.figures_from_metrics(metrics, source, record.target(outcome.candidate.target).gpu_arch)
-        result = capacity.plan(figures, record.capacity.workload(), capacity.limits_from_profiles(list(record.profiles)))
+        limits = capacity.limits_from_profiles(list(record.profiles))
+        result = capacity.plan(figures, record.capacity.workload(), limits)
         return capacity.markdown(result).rstrip("\n").split("\n")
     except capacity.FiguresError as e:
         found = str(e).rpartition("; found ")[2]
