@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 
 from tasks.config.spec import load
+from tasks.config.stage_settings import BenchmarkConfig, BuildConfig, ExportConfig, ModelSource
 from tasks.runtime.store import ArtifactStore
 from tasks.stages.benchmark import (REFERENCE, benchmark_threads, engine_timer, prefill_past, reference_call,
                              run_benchmark, time_call_ms)
 from tasks.stages.build import open_engine, run_build
 from tasks.stages.export import run_export
 from tasks.stages.inputs import point_feeds, read_texts
-from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.models import load_reference, load_tokenizer
 from tasks.stages.precision import run_precision
 
 LEGACY_WARMUP, LEGACY_REPEATS, LEGACY_BLOCKS = 5, 30, 5
@@ -70,8 +71,9 @@ def main() -> int:
     args = parser.parse_args()
     spec = load(args.file, check_env=False).pipelines[args.pipeline]
     store = ArtifactStore(args.artifacts)
-    exported = run_export(spec, store)
-    builds = {f"{spec.name}/{p}/{args.target}": run_build(spec, run_precision(spec, exported, p, store), args.target, store)
+    exported = run_export(ExportConfig.of(spec), store)
+    builds = {f"{spec.name}/{p}/{args.target}": run_build(BuildConfig.of(spec, args.target, p),
+                                                           run_precision(spec, exported, p, store), store)
               for p in spec.precisions}
     threads = benchmark_threads(spec.benchmark, getattr(spec.target(args.target), "threads", None))
     torch.set_num_threads(threads)
@@ -81,7 +83,7 @@ def main() -> int:
     for attempt in (1, 2):
         with tempfile.TemporaryDirectory() as scratch:
             started = time.perf_counter()
-            result = run_benchmark(spec, args.target, builds, ArtifactStore(Path(scratch)))
+            result = run_benchmark(BenchmarkConfig.of(spec, args.target), builds, ArtifactStore(Path(scratch)))
             new_seconds = time.perf_counter() - started
         before_seconds, before = legacy_seconds(spec, builds, threads)
         host = result.outputs["host"]

@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from tasks.backends.base import Runner
+from tasks.config.settings import DecisionSettings
 from tasks.config.spec import Candidate, load
+from tasks.config.stage_settings import BenchmarkConfig, BuildConfig, ExportConfig
 from tasks.judge.decide import decide
 from tasks.outcome import CandidateOutcome, Champion, GateResult
 from tasks.runtime.store import ArtifactStore
@@ -65,9 +67,10 @@ def main() -> int:
     twin = target.model_copy(update={"name": f"{target.name}-champion"})
     spec = spec.model_copy(update={"targets": [target, twin]})
     store = ArtifactStore(args.artifacts)
-    exported = run_export(spec, store)
+    exported = run_export(ExportConfig.of(spec), store)
     precise = run_precision(spec, exported, args.precision, store)
-    candidate_build, champion_build = (run_build(spec, precise, t.name, store) for t in (target, twin))
+    candidate_build, champion_build = (run_build(BuildConfig.of(spec, t.name, args.precision), precise, store)
+                                        for t in (target, twin))
     name = Candidate(spec.name, args.precision, target.name).name
     champion = Champion(f"{spec.name}-{target.name}", "1", "-", champion_build.key, args.precision)
     print(f"{spec.name}/{args.precision}: the same engine as candidate and champion (build keys "
@@ -81,13 +84,14 @@ def main() -> int:
 
         with tempfile.TemporaryDirectory() as scratch:
             started = time.perf_counter()
-            result = run_benchmark(spec, target.name, {name: candidate_build}, ArtifactStore(Path(scratch)),
-                                   champion=champion, champion_build=lambda: champion_build, open_runner=opener)
+            result = run_benchmark(BenchmarkConfig.of(spec, target.name), {name: candidate_build},
+                                   ArtifactStore(Path(scratch)), champion=champion,
+                                   champion_build=lambda: champion_build, open_runner=opener)
             seconds = time.perf_counter() - started
         outcome = CandidateOutcome(Candidate(spec.name, args.precision, target.name), "passed",
                                    stages={"build": candidate_build, "benchmark": for_candidate(result, name, champion)},
                                    gates=[GateResult("accuracy", True)])
-        decide(spec, [outcome], {target.name: champion})
+        decide(DecisionSettings.of(spec), [outcome], {target.name: champion})
         vs = outcome.decision.vs_champion
         print(f"{label:<11} ({slowed} slowed x{factor:.3f}): {vs['ratio']:.3f}x [{vs['ci'][0]:.3f}, {vs['ci'][1]:.3f}] "
               f"in {result.outputs['engines'][name]['gate_point']['rounds']} rounds, {seconds:.0f} s "

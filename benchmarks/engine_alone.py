@@ -61,7 +61,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
 
     from tasks.stages.benchmark import fed_shape, prefill_past, reference_call
     from tasks.stages.inputs import point_feeds, read_texts
-    from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+    from tasks.config.stage_settings import ModelSource
+    from tasks.stages.models import load_reference, load_tokenizer
     from tasks.config.spec import load
 
     spec = load(job["file"], check_env=False).pipelines[job["pipeline"]]

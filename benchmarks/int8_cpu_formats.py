@@ -31,13 +31,14 @@ import yaml
 
 from tasks.backends.onnxruntime.backend import RUNTIME_CONFIG, cpu_isa
 from tasks.config import spec as spec_module
+from tasks.config.stage_settings import ExportConfig, ModelSource
 from tasks.measure.stats import paired_ratio
 from tasks.runtime.stage_runner import run_stage
 from tasks.runtime.store import ArtifactStore
 from tasks.stages.accuracy import cosine, mean_pool
 from tasks.stages.export import run_export
 from tasks.stages.inputs import encoder_feeds, read_texts, reference_outputs
-from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.models import load_reference, load_tokenizer
 from tasks.stages.precision import CPU_MODEL_FILE, MODEL_FILE, PrecisionConfig, precision_work, run_precision
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +106,7 @@ def main() -> None:
         root = Path(tmp)
         store = ArtifactStore(root / "artifacts")
         specs = {fmt: _spec(root, args, fmt) for fmt in ("dynamic", "qdq-u8s8")}
-        exported = run_export(specs["dynamic"], store)
+        exported = run_export(ExportConfig.of(specs["dynamic"]), store)
         int8 = {fmt: run_precision(spec, exported, "int8", store) for fmt, spec in specs.items()}
         seven_bit = dataclasses.replace(PrecisionConfig.of(specs["dynamic"], "int8"), cpu_int8_products="saturating")
         int8["dynamic 7-bit"] = run_stage(precision_work(seven_bit, exported), store)

@@ -18,11 +18,12 @@ import onnxruntime as ort
 
 from tasks.backends.tensorrt.target import TensorRTTarget
 from tasks.config.spec import AccuracyFallbackSpec, load
+from tasks.config.stage_settings import ExportConfig, ModelSource
 from tasks.runtime.store import ArtifactStore
 from tasks.stages.accuracy import cosine, mean_pool
 from tasks.stages.export import run_export
 from tasks.stages.inputs import encoder_feeds, read_texts
-from tasks.stages.models import ModelSource, load_tokenizer
+from tasks.stages.models import load_tokenizer
 from tasks.stages.precision import CPU_MODEL_FILE, MODEL_FILE, run_precision
 
 
@@ -60,7 +61,7 @@ def main() -> int:
     spec = spec.model_copy(update={"quantization": quant, "targets": both_graphs})
     with tempfile.TemporaryDirectory() as scratch:
         store = ArtifactStore(args.artifacts or scratch)
-        exported = run_export(spec, store)
+        exported = run_export(ExportConfig.of(spec), store)
         result = run_precision(spec, exported, "int8", store)
         record = result.outputs["accuracy_fallback"]
         held_out = eval_cosines(spec, exported, {"int8 (TensorRT Q/DQ graph)": result.file(MODEL_FILE),

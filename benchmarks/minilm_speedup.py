@@ -13,7 +13,9 @@ import sys
 import tempfile
 
 from tasks.backends.onnxruntime.backend import cpu_isa
+from tasks.config.settings import RegistrySettings
 from tasks.config.spec import load
+from tasks.config.stage_settings import BenchmarkConfig
 from tasks.registry import tracking
 from tasks.runtime.store import ArtifactStore
 from tasks.stages.benchmark import run_benchmark
@@ -34,7 +36,7 @@ def main() -> int:
     args = parser.parse_args()
 
     spec = load(args.file, check_env=False).pipelines[args.pipeline]
-    champion = tracking.champion(spec, args.target)
+    champion = tracking.champion(RegistrySettings.of(spec), args.target)
     if champion is None:
         print(f"no champion for {args.pipeline}/{args.target} yet: run `smelter run --pipeline {args.pipeline}` first",
               file=sys.stderr)
@@ -50,7 +52,7 @@ def main() -> int:
         "performance": spec.performance.model_copy(update={"at": {"batch": args.batch, "seq": args.seq}})})
     name = f"{spec.name}/{champion.precision}/{args.target}"
     with tempfile.TemporaryDirectory() as scratch:
-        result = run_benchmark(spec, args.target, {name: build}, ArtifactStore(scratch), force=True)
+        result = run_benchmark(BenchmarkConfig.of(spec, args.target), {name: build}, ArtifactStore(scratch), force=True)
     point = result.outputs["engines"][name]["gate_point"]
     metrics = tracking.run_metrics(champion.run_id)
     cosine_mean, cosine_min = metrics.get("accuracy.cosine_mean", float("nan")), metrics.get("accuracy.cosine_min", float("nan"))

@@ -65,8 +65,8 @@ def main() -> None:
         size = sum(meta["bytes"] for meta in build.manifest["files"].values())
         name = f"{build.outputs.get('precision')}/{build.outputs.get('target')} ({size / 1e6:.1f} MB)"
         spread(f"bytes {name}", lambda: engine_check.read_digests(build), args.repeats)
-        spread(f"check {name}", lambda: engine_check.check_before_registering(spec, stages | {"build": build}, None),
-               args.repeats)
+        spread(f"check {name}", lambda: engine_check.check_before_registering(
+            spec.targets, spec.profiles, stages | {"build": build}, None), args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ[locks.LOCK_DIR_ENV] = tmp
         spread("file lock acquire+release", lambda: _hold(locks.exclusive("promote bench", "bench")), args.repeats)

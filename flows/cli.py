@@ -206,10 +206,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _champions(specs: Any) -> dict[str, dict[str, Any]]:
     """Each (pipeline, target)'s champion from the registry; none when the registry cannot be read."""
+    from tasks.config.settings import RegistrySettings
     from tasks.registry import tracking
 
     try:
-        return {s.name: {t.name: tracking.champion(s, t.name) for t in s.targets} for s in specs.pipelines.values()}
+        return {s.name: {t.name: tracking.champion(RegistrySettings.of(s), t.name) for t in s.targets}
+                for s in specs.pipelines.values()}
     except Exception as e:  # noqa: BLE001 - plan still shows what it can; benchmark keys assume no champion
         print(f"warning: cannot read champions from the registry ({type(e).__name__}: {e}); "
               "benchmark rows assume none", file=sys.stderr)
@@ -573,11 +575,12 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 
 
 def cmd_notify(args: argparse.Namespace) -> int:
+    from tasks.config.settings import RegistrySettings
     from tasks.judge.notify import retry_pending
 
     selected = _selected(_load(args), args)
     _check_services(mlflow=True, prefect=True)
-    results = retry_pending(selected)
+    results = retry_pending([RegistrySettings.of(spec) for spec in selected])
     for r in results:
         print(json.dumps(r, default=str))
     if not results:

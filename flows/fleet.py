@@ -20,12 +20,12 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from flows.deploy import BUILD_FLOW, pool_of
-from tasks.config.spec import PipelineSpec
+from tasks.config.spec import TargetSpec
 from tasks.runtime import gpu, locks
 
 POLL_S = 2.0
@@ -34,16 +34,17 @@ GPU_LIMIT_PREFIX = "gpu"
 WORKER_NAME_ENV = "PREFECT__WORKER_NAME"  # set by a Prefect worker in the flow-run processes it starts
 
 
-def split_by_pool(spec: PipelineSpec, targets: list[str], here: str | None) -> tuple[list[str], dict[str, list[str]]]:
-    """(targets built here, {other pool: its targets}). With no pool given, everything builds here."""
+def split_by_pool(targets: Sequence[TargetSpec], here: str | None) -> tuple[list[str], dict[str, list[str]]]:
+    """(names of the targets built here, {other pool: its targets' names}). With no pool given, everything builds
+    here."""
     remote: dict[str, list[str]] = {}
     local = []
-    for name in targets:
-        pool = pool_of(spec.target(name))
+    for target in targets:
+        pool = pool_of(target)
         if here is None or pool == here:
-            local.append(name)
+            local.append(target.name)
         else:
-            remote.setdefault(pool, []).append(name)
+            remote.setdefault(pool, []).append(target.name)
     return local, remote
 
 

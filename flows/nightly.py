@@ -10,6 +10,7 @@ from prefect.states import State
 
 from flows import progress
 from flows.pipeline import flow_end, flow_summaries, pipeline_flow
+from tasks.config.settings import RegistrySettings
 from tasks.config.spec import PipelineSpec, load
 from tasks.judge import notify
 from tasks.outcome import CandidateOutcome, tally
@@ -21,7 +22,7 @@ def retry_pending_task(file: str, pipelines: list[str] | None = None,
                        allow_outside_paths: bool = False) -> list[dict[str, Any]]:
     """Deliver events a receiver missed on an earlier run before new ones go out."""
     specs = load(file, pipelines=pipelines, allow_outside_paths=allow_outside_paths)
-    return notify.retry_pending(list(specs.pipelines.values()))
+    return notify.retry_pending([RegistrySettings.of(spec) for spec in specs.pipelines.values()])
 
 
 def _failed_pipeline(spec: PipelineSpec, precisions: list[str] | None, targets: list[str] | None,

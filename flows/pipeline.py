@@ -25,6 +25,7 @@ from prefect.states import Completed, Failed, State
 from flows import events, fleet, prefect_outcome, progress
 from flows.stages import run_step
 from tasks import graph
+from tasks.config.settings import FigureSettings, RegistrySettings, RunSettings
 from tasks.config.spec import Candidate, PipelineSpec, PipelinesFile, load, point_words
 from tasks.judge import notify, summary_figure
 from tasks.judge.steps import Judging
@@ -93,7 +94,7 @@ def benchmark_target(spec: PipelineSpec, target: str, outcomes: list[CandidateOu
     built = [o for o in outcomes if o.candidate.target == target and o.status != "failed"]
     if not built:
         return
-    fetch = functools.partial(champion_build, spec, champion, store) if champion else None
+    fetch = functools.partial(champion_build, spec.name, champion, store) if champion else None
     step = graph.benchmark_step(spec, target, [o.candidate.name for o in built], champion, fetch)
     try:
         result = _unwrap(run_step(step, {("build", o.candidate.name): o.stages["build"] for o in built}, store, force))
@@ -108,17 +109,18 @@ def benchmark_target(spec: PipelineSpec, target: str, outcomes: list[CandidateOu
 
 
 @task(name="track", cache_policy=NO_CACHE, persist_result=False)
-def track_task(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutcome, where: dict[str, str]) -> str:
-    return tracking.log_candidate(parent_run_id, spec, outcome, extra_tags=where)
+def track_task(parent_run_id: str, record: RunSettings, outcome: CandidateOutcome, where: dict[str, str]) -> str:
+    return tracking.log_candidate(parent_run_id, record, outcome, extra_tags=where)
 
 
-def _check_engine_here(spec: PipelineSpec, outcome: CandidateOutcome, run_id: str) -> None:
+def _check_engine_here(record: RunSettings, outcome: CandidateOutcome, run_id: str) -> None:
     """Check the engine on the host that built it (the parent may have no copy, or no GPU to load it on);
     the parent trusts this verdict for engines it cannot check itself."""
     if outcome.status == "failed":
         return
     try:
-        engine_check.check_before_registering(spec, outcome.stages, tracking.uploaded_engine_digest(run_id))
+        engine_check.check_before_registering(record.targets, record.profiles, outcome.stages,
+                                              tracking.uploaded_engine_digest(run_id))
     except engine_check.EngineRejected as e:
         tracking.record_engine_check(run_id, str(e))
     else:
@@ -147,6 +149,7 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
     _quiet_libraries()
     store.clean(pipeline)
     memo = _Memo()
+    registry, record = RegistrySettings.of(spec), RunSettings.of(spec)
     where = fleet.placement_tags()
     outcomes, gpus = [], {}
     for on_gpu in (False, True):
@@ -156,7 +159,7 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
         with fleet.gpu_slot(on_gpu) as gpu:
             built = [build_candidate(spec, c, store, memo, force) for c in candidates if c.target in group]
             for target in group:
-                benchmark_target(spec, target, built, tracking.champion(spec, target), store, force)
+                benchmark_target(spec, target, built, tracking.champion(registry, target), store, force)
         outcomes += built
         gpus |= {t: gpu for t in group if gpu is not None}
     untracked = {}
@@ -164,8 +167,8 @@ def build_targets(file: str, pipeline: str, targets: list[str], parent_run_id: s
         gpu = gpus.get(outcome.candidate.target)
         try:
             run_id = track_task.with_options(task_run_name=f"{outcome.candidate.name}/track")(
-                parent_run_id, spec, outcome, where | ({"fleet.gpu": gpu} if gpu else {}))
-            _check_engine_here(spec, outcome, run_id)
+                parent_run_id, record, outcome, where | ({"fleet.gpu": gpu} if gpu else {}))
+            _check_engine_here(record, outcome, run_id)
         except Exception as e:  # noqa: BLE001 - the parent finds no run for it and fails it; the others go on
             untracked[outcome.candidate.name] = f"its MLflow run could not be logged: {described(e)}"
             progress.stage_failed(outcome.candidate.name, "track", described(e))
@@ -182,7 +185,7 @@ def _build_everywhere(specs: PipelinesFile, spec: PipelineSpec, targets: list[st
     """Run every target's builds, this pool's in-process and the others' on their pools at the same time;
     returns why the targets whose build did not complete, and the candidates whose run was not logged, have no
     outcome ({target or candidate: reason})."""
-    local, remote = fleet.split_by_pool(spec, targets, here)
+    local, remote = fleet.split_by_pool([spec.target(t) for t in targets], here)
     futures = {pool: build_on_pool_task.with_options(task_run_name=f"{spec.name}@{pool}").submit(
         pool, build_parameters | {"targets": pool_targets, "parent_run_id": parent_run_id},
         specs.fleet.worker_timeout) for pool, pool_targets in remote.items()}
@@ -202,10 +205,10 @@ def _build_everywhere(specs: PipelinesFile, spec: PipelineSpec, targets: list[st
     return missing
 
 
-def _joined(spec: PipelineSpec, candidates: list[Candidate], parent_run_id: str, store: ArtifactStore,
+def _joined(pipeline: str, candidates: list[Candidate], parent_run_id: str, store: ArtifactStore,
             missing: dict[str, str]) -> list[CandidateOutcome]:
     """Every candidate as its build logged it in MLflow; one with no run failed, with the reason."""
-    logged = tracking.candidate_outcomes(spec, parent_run_id, store.root)
+    logged = tracking.candidate_outcomes(pipeline, parent_run_id, store.root)
     outcomes = []
     for candidate in candidates:
         outcome = logged.get(candidate.name)
@@ -239,19 +242,20 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
     params = {"file": file, "force": force, "gate_point": point_words(spec.gate_point)}
     with tracking.pipeline_run(spec, run_name, params=params) as parent_run_id:
         chosen = list(dict.fromkeys(c.target for c in candidates))
-        champions = {t: tracking.champion(spec, t) for t in chosen}
+        champions = {t: tracking.champion(RegistrySettings.of(spec), t) for t in chosen}
         build_parameters = {"file": file, "pipeline": pipeline, "precisions": precisions, "force": force,
                             "artifacts": artifacts, "allow_outside_paths": allow_outside_paths}
         missing = _build_everywhere(specs, spec, chosen, parent_run_id, build_parameters, pool)
-        judged = Judging(spec, _joined(spec, candidates, parent_run_id, store, missing), champions)
+        judged = Judging(spec, _joined(spec.name, candidates, parent_run_id, store, missing), champions)
         for step in graph.judge_steps(spec, candidates):
             judged = _judge(step, judged)
         events.announce_promotions(judged.outcomes)
         outcomes, deliveries = judged.outcomes, judged.deliveries
-        figure = _summary_figure(spec, outcomes, parent_run_id, store.root / TOOL_CACHES / summary_figure.DRAWN)
+        figure = _summary_figure(FigureSettings.of(spec), outcomes, parent_run_id,
+                                 store.root / TOOL_CACHES / summary_figure.DRAWN)
         for outcome in outcomes:
             if outcome.run_id:
-                tracking.finish_candidate(outcome.run_id, spec, outcome, figure)
+                tracking.finish_candidate(outcome.run_id, RunSettings.of(spec), outcome, figure)
             verdict_task.with_options(task_run_name=outcome.candidate.name)(outcome, return_state=True)
         tracking.describe_pipeline_run(parent_run_id, outcomes)
         _show_outboxes(outcomes, deliveries)
@@ -301,15 +305,15 @@ def flow_summaries(state: State) -> list[dict[str, Any]]:
     return summaries
 
 
-def _summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome], parent_run_id: str,
+def _summary_figure(settings: FigureSettings, outcomes: list[CandidateOutcome], parent_run_id: str,
                     drawn: Path) -> bytes | None:
     """The run's summary figure, logged on the parent run; None (and a warning) when it cannot be drawn:
     a picture never fails a run."""
     try:
-        figure = summary_figure.summary_png(spec, outcomes, drawn)
+        figure = summary_figure.summary_png(settings, outcomes, drawn)
         tracking.log_summary_figure(parent_run_id, figure)
     except Exception as e:  # noqa: BLE001 - see the docstring
-        progress.message(f"warning: {spec.name}: no summary figure: {type(e).__name__}: {e}")
+        progress.message(f"warning: {settings.pipeline}: no summary figure: {type(e).__name__}: {e}")
         return None
     return figure
 

@@ -31,7 +31,7 @@ def pipeline_rows(spec: PipelineSpec, store: ArtifactStore,
     A target whose backend cannot run here has its build and accuracy rows `blocked` (with why)
     and no benchmark row: a run fails those candidates and measures nothing for it.
     """
-    unavailable = functools.cache(functools.partial(graph.unavailable, spec))
+    unavailable = functools.cache(lambda target: graph.unavailable(spec.target(target)))
     found: dict[graph.Ref, StageResult] = {}
     for step in graph.pipeline_steps(spec, spec.candidates(), champions):
         why = step.target and unavailable(step.target)

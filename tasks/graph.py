@@ -21,7 +21,10 @@ from typing import Any
 
 from tasks.backends.base import BackendUnavailable, get_backend
 from tasks.backends.table import BACKENDS
-from tasks.config.spec import Candidate, PipelineSpec
+from tasks.config.settings import RegistrySettings
+from tasks.config.spec import Candidate, PipelineSpec, TargetSpec
+from tasks.config.stage_settings import (AccuracyConfig, BenchmarkConfig, BuildConfig, ExportConfig,
+                                         ValidateConfig)
 from tasks.judge import steps as judging
 from tasks.judge.steps import Judging, Ref
 from tasks.outcome import Champion
@@ -60,8 +63,8 @@ class Step:
         return self.stage, self.node
 
 
-def builds_from_torch(spec: PipelineSpec, target_name: str) -> bool:
-    return BACKENDS[spec.target(target_name).backend].source == "torch"
+def builds_from_torch(target: TargetSpec) -> bool:
+    return BACKENDS[target.backend].source == "torch"
 
 
 def candidate_steps(spec: PipelineSpec, candidate: Candidate, store: ArtifactStore | None = None) -> list[Step]:
@@ -72,16 +75,16 @@ def candidate_steps(spec: PipelineSpec, candidate: Candidate, store: ArtifactSto
     """
     p, t, label = candidate.precision, candidate.target, candidate.name
     judged = functools.partial(Step, "accuracy", label, target=t,
-                               work=lambda b: accuracy.accuracy_work(accuracy.AccuracyConfig.of(spec), b, store))
-    if builds_from_torch(spec, t):
-        built = Step("build", label, (), lambda: build.build_work(build.BuildConfig.of(spec, t, p), None), target=t)
+                               work=lambda b: accuracy.accuracy_work(AccuracyConfig.of(spec), b, store))
+    if builds_from_torch(spec.target(t)):
+        built = Step("build", label, (), lambda: build.build_work(BuildConfig.of(spec, t, p), None), target=t)
         return [built, judged((built.ref,))]
-    exported = Step("export", spec.name, (), lambda: export.export_work(export.ExportConfig.of(spec)))
+    exported = Step("export", spec.name, (), lambda: export.export_work(ExportConfig.of(spec)))
     validated = Step("validate", spec.name, (exported.ref,),
-                     lambda e: validate.validate_work(validate.ValidateConfig.of(spec), e))
+                     lambda e: validate.validate_work(ValidateConfig.of(spec), e))
     precise = Step("precision", f"{spec.name}/{p}", (exported.ref, validated.ref),
                    lambda e, _validated: precision.precision_work(precision.PrecisionConfig.of(spec, p), e))
-    built = Step("build", label, (precise.ref,), lambda r: build.build_work(build.BuildConfig.of(spec, t, p), r),
+    built = Step("build", label, (precise.ref,), lambda r: build.build_work(BuildConfig.of(spec, t, p), r),
                  target=t)
     return [exported, validated, precise, built, judged((built.ref,))]
 
@@ -92,7 +95,7 @@ def benchmark_step(spec: PipelineSpec, target: str, candidates: list[str], champ
     needs = tuple(("build", name) for name in candidates)
 
     def work(*builds: StageResult) -> Work:
-        return benchmark.benchmark_work(benchmark.BenchmarkConfig.of(spec, target), dict(zip(candidates, builds)),
+        return benchmark.benchmark_work(BenchmarkConfig.of(spec, target), dict(zip(candidates, builds)),
                                         champion, champion_build)
 
     return Step("benchmark", f"{spec.name}/{target}", needs, work, target=target)
@@ -116,8 +119,9 @@ def pipeline_steps(spec: PipelineSpec, candidates: list[Candidate],
 def judge_steps(spec: PipelineSpec, candidates: list[Candidate]) -> list[Step]:
     """The steps that judge the measured candidates and act on the verdict, in running order: every installed
     judging stage that applies, one step per candidate or one for the pipeline, after the steps it reads."""
-    targets = list(dict.fromkeys(c.target for c in candidates))
-    judges = [j for j in judging.in_running_order(judging.installed()) if j.applies(spec, targets)]
+    targets = [spec.target(t) for t in dict.fromkeys(c.target for c in candidates)]
+    judges = [j for j in judging.in_running_order(judging.installed()) if j.applies(targets)]
+    registry = RegistrySettings.of(spec)
     reads = judging.reads_of(judges)
     per = {"accuracy": "candidate", "benchmark": "target"} | {j.stage: j.per for j in judges}
 
@@ -133,14 +137,14 @@ def judge_steps(spec: PipelineSpec, candidates: list[Candidate]) -> list[Step]:
         nodes = [(c.name, [c], c.target) for c in candidates] if judge.per == "candidate" else \
             [(spec.name, candidates, None)]
         laid += [Step(judge.stage, node, tuple(ref for stage in reads[judge.stage] for ref in refs(stage, of)), None,
-                      target, judge.act, judge.reads(spec)) for node, of, target in nodes]
+                      target, judge.act, judge.reads(registry)) for node, of, target in nodes]
     return laid
 
 
-def unavailable(spec: PipelineSpec, target_name: str) -> str | None:
+def unavailable(target: TargetSpec) -> str | None:
     """Why this machine cannot build or run the target's engines (its backend absent, wrong GPU), or None."""
     try:
-        return get_backend(spec.target(target_name).backend).missing(spec.target(target_name))
+        return get_backend(target.backend).missing(target)
     except BackendUnavailable as e:
         return str(e)
 

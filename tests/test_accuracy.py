@@ -12,6 +12,7 @@ import pytest
 from onnx import numpy_helper
 
 from tasks.config.spec import PipelineSpec, load
+from tasks.config.stage_settings import AccuracyConfig, BuildConfig, ExportConfig
 from tasks.runtime.store import ArtifactStore, StageResult
 from tasks.stages.accuracy import PER_SAMPLE, run_accuracy
 from tasks.stages.build import run_build
@@ -21,7 +22,7 @@ from tasks.stages.export import run_export
 def built_engine(spec: PipelineSpec, store: ArtifactStore,
                  damage: Callable[[np.ndarray], np.ndarray] | None = None) -> StageResult:
     """Export, copy the graph as the fp32 precision output (optionally damaging the final norm's scale), build."""
-    exported = run_export(spec, store)
+    exported = run_export(ExportConfig.of(spec), store)
     model = onnx.load(str(exported.file("model.onnx")))
     label = "fp32"
     if damage is not None:
@@ -33,7 +34,7 @@ def built_engine(spec: PipelineSpec, store: ArtifactStore,
     with store.writing(spec.name, "precision", f"{label}-{exported.key}", inputs={"export": exported.key}) as w:
         onnx.save(model, str(w.dir / "model.onnx"))
         w.outputs["precision"] = "fp32"
-    return run_build(spec, w.result, "cpu", store)
+    return run_build(BuildConfig.of(spec, "cpu", "fp32"), w.result, store)
 
 
 def initializer(model: onnx.ModelProto, name: str) -> onnx.TensorProto:
@@ -62,7 +63,7 @@ def bert_spec(pipeline_factory: Callable[..., Path], tiny_bert_dir: Path) -> Pip
 def test_fp32_encoder_matches_reference_and_is_cached(bert_spec: PipelineSpec, tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path / "artifacts")
     engine = built_engine(bert_spec, store)
-    result = run_accuracy(bert_spec, engine, store)
+    result = run_accuracy(AccuracyConfig.of(bert_spec), engine, store)
     metrics = result.outputs["metrics"]
     assert metrics["cosine_mean"] > 0.99999 and metrics["cosine_min"] > 0.9999
     assert metrics["max_abs_error"] < 1e-3
@@ -72,20 +73,22 @@ def test_fp32_encoder_matches_reference_and_is_cached(bert_spec: PipelineSpec, t
     assert table["cosine"].min() == pytest.approx(metrics["cosine_min"])
     assert result.outputs["validity"] == {"finite": True, "points": {"min": True, "opt": True, "max": True},
                                           "problems": [], "nonfinite_samples": {}}
-    again = run_accuracy(bert_spec, engine, store)
+    again = run_accuracy(AccuracyConfig.of(bert_spec), engine, store)
     assert again.cached and again.outputs == result.outputs
 
 
 def test_damaged_engine_scores_low_cosine(bert_spec: PipelineSpec, tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path / "artifacts")
-    metrics = run_accuracy(bert_spec, built_engine(bert_spec, store, flip_half_the_signs), store).outputs["metrics"]
+    engine = built_engine(bert_spec, store, flip_half_the_signs)
+    metrics = run_accuracy(AccuracyConfig.of(bert_spec), engine, store).outputs["metrics"]
     assert metrics["cosine_mean"] < 0.5
     assert metrics["max_abs_error"] > 0.1
 
 
 def test_nan_output_fails_validity_at_every_point(bert_spec: PipelineSpec, tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path / "artifacts")
-    validity = run_accuracy(bert_spec, built_engine(bert_spec, store, poison_one_channel), store).outputs["validity"]
+    engine = built_engine(bert_spec, store, poison_one_channel)
+    validity = run_accuracy(AccuracyConfig.of(bert_spec), engine, store).outputs["validity"]
     assert validity["finite"] is False
     assert validity["points"] == {"min": False, "opt": False, "max": False}
     assert any("last_hidden_state has" in p and "NaN/Inf" in p and "max {'batch': 4, 'seq': 32}" in p
@@ -97,7 +100,7 @@ def test_fp32_decoder_agrees_on_every_next_token(pipeline_factory: Callable[...,
     spec = load(pipeline_factory(tiny_llama_dir, "text-generation-with-past",
                                  accuracy={"seq_len": 16})).pipelines["tiny"]
     store = ArtifactStore(tmp_path / "artifacts")
-    result = run_accuracy(spec, built_engine(spec, store), store)
+    result = run_accuracy(AccuracyConfig.of(spec), built_engine(spec, store), store)
     metrics = result.outputs["metrics"]
     assert metrics["top1_agreement"] == 1.0
     assert metrics["logit_max_abs_error"] < 1e-3 and metrics["logit_mean_abs_error"] < 1e-4

@@ -18,6 +18,7 @@ import pytest
 
 from tasks.backends.base import BackendUnavailable
 from tasks.config.spec import PipelineSpec, load
+from tasks.config.stage_settings import BenchmarkConfig, BuildConfig, ExportConfig
 from tasks.measure import hostload
 from tasks.measure.hostload import CONTENDED_SHARE
 from tasks.measure.stats import MIN_ROUNDS, looked_ratio
@@ -34,11 +35,11 @@ TARGETS = [{"name": "cpu", "backend": "onnxruntime", "threads": 1},
 
 def engines(spec: PipelineSpec, store: ArtifactStore) -> dict[str, StageResult]:
     """The exported graph taken as the fp32 precision output, built for every target of the spec."""
-    exported = run_export(spec, store)
+    exported = run_export(ExportConfig.of(spec), store)
     with store.writing(spec.name, "precision", f"fp32-{exported.key}", inputs={"export": exported.key}) as w:
         shutil.copy(exported.file("model.onnx"), w.dir / "model.onnx")
         w.outputs["precision"] = "fp32"
-    return {t.name: run_build(spec, w.result, t.name, store) for t in spec.targets}
+    return {t.name: run_build(BuildConfig.of(spec, t.name, "fp32"), w.result, store) for t in spec.targets}
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_engines_of_a_target_and_the_reference_share_rounds_and_every_figure_com
     spec, store = encoder
     built = engines(spec, store)
     builds = {"tiny/fp32/cpu": built["cpu"], "tiny/fp32/cpu-basic": built["cpu-basic"]}
-    result = run_benchmark(spec, "cpu", builds, store)
+    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), builds, store)
     samples = pd.read_csv(result.file(SAMPLES))
     assert list(samples.columns) == ["engine", "batch", "seq", "past", "step", "round", "call", "ms"]
     assert set(samples["engine"]) == {REFERENCE, *builds}
@@ -96,7 +97,7 @@ def test_engines_of_a_target_and_the_reference_share_rounds_and_every_figure_com
         metrics = stage_metrics({"benchmark": view})
         assert metrics["speedup_vs_reference_ci_low"] <= metrics["speedup_vs_reference"] <= metrics[
             "speedup_vs_reference_ci_high"]
-    again = run_benchmark(spec, "cpu", builds, store)
+    again = run_benchmark(BenchmarkConfig.of(spec, "cpu"), builds, store)
     assert again.key == result.key
     if not result.outputs["host"]["contended"]:  # a contended one is measured again (and kept unless bettered)
         assert again.cached
@@ -112,7 +113,8 @@ def test_the_gate_point_gets_the_main_budget_and_other_points_the_survey_budget(
     spec = load(pipeline_factory(tiny_bert_dir, "feature-extraction", benchmark=benchmark)).pipelines["tiny"]
     store = ArtifactStore(tmp_path / "artifacts")
     built = engines(spec, store)
-    view = for_candidate(run_benchmark(spec, "cpu", {"tiny/fp32/cpu": built["cpu"]}, store), "tiny/fp32/cpu")
+    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": built["cpu"]}, store)
+    view = for_candidate(result, "tiny/fp32/cpu")
     survey, gate = view.outputs["points"]
     assert (gate["batch"], survey["batch"]) == (2, 1) and view.outputs["gate_point"] == gate
     assert gate["seconds"] >= 2, gate["seconds"]  # the survey's one round spent its budget: see the note below
@@ -132,7 +134,7 @@ def test_the_champion_engine_is_measured_in_the_same_rounds_unless_it_is_a_candi
         fetched.append(champion.version)
         return built["cpu-basic"]
 
-    result = run_benchmark(spec, "cpu", {"tiny/fp32/cpu": built["cpu"]}, store, champion=champion,
+    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": built["cpu"]}, store, champion=champion,
                            champion_build=fetch)
     assert fetched == ["7"]
     assert {"label": "champion v7", "unavailable": None}.items() <= result.outputs["champion"].items()
@@ -143,8 +145,8 @@ def test_the_champion_engine_is_measured_in_the_same_rounds_unless_it_is_a_candi
     assert {r["versus"] for r in result.outputs["comparisons"]} == {REFERENCE, "champion v7"}
 
     # The same engine as the champion is the champion: no comparison with itself, no extra engine.
-    same = run_benchmark(spec, "cpu", {"tiny/fp32/cpu-basic": built["cpu-basic"]}, store, champion=champion,
-                         champion_build=fetch)
+    same = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu-basic": built["cpu-basic"]}, store,
+                         champion=champion, champion_build=fetch)
     view = for_candidate(same, "tiny/fp32/cpu-basic", champion)
     assert fetched == ["7"] and view.outputs["champion"]["label"] == "tiny/fp32/cpu-basic"
     assert "vs_champion" not in view.outputs["gate_point"]
@@ -155,7 +157,7 @@ def test_every_pair_of_candidates_is_compared_so_any_of_them_can_become_the_cham
     spec, store = encoder
     built = engines(spec, store)
     builds = {"tiny/fp32/cpu": built["cpu"], "tiny/fp32/cpu-basic": built["cpu-basic"]}
-    result = run_benchmark(spec, "cpu", builds, store)  # measured while there was no champion
+    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), builds, store)  # measured while there was no champion
     champion = Champion("tiny-cpu", "1", "run-1", built["cpu-basic"].key, "fp32")
     gate = for_candidate(result, "tiny/fp32/cpu", champion).outputs["gate_point"]
     row = next(r for r in result.outputs["comparisons"] if {r["engine"], r["versus"]} == set(builds)
@@ -174,7 +176,8 @@ def test_a_champion_that_cannot_be_loaded_is_recorded_with_the_reason(encoder: t
     def fetch() -> StageResult:
         raise BackendUnavailable("engine built for another CPU")
 
-    result = run_benchmark(spec, "cpu", {"tiny/fp32/cpu": built["cpu"]}, store, champion=champion, champion_build=fetch)
+    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": built["cpu"]}, store, champion=champion,
+                           champion_build=fetch)
     recorded = for_candidate(result, "tiny/fp32/cpu", champion).outputs["champion"]
     assert recorded["label"] is None and recorded["permanent"] and "another CPU" in recorded["unavailable"]
     assert "vs_champion" not in for_candidate(result, "tiny/fp32/cpu", champion).outputs["gate_point"]
@@ -235,11 +238,11 @@ def test_a_contended_measurement_never_replaces_a_published_one(
                                  benchmark={"contended_above": 0.05})).pipelines["tiny"]
     store = ArtifactStore(tmp_path / "artifacts")
     builds = {"tiny/fp32/cpu": engines(spec, store)["cpu"]}
-    published = run_benchmark(spec, "cpu", builds, store)
+    published = run_benchmark(BenchmarkConfig.of(spec, "cpu"), builds, store)
     assert published.outputs["host"]["foreign_cpu_share"] == 0.0 and not published.outputs["host"]["contended"]
     before = published.file(SAMPLES).read_bytes()
     counted_load(2)
-    again = run_benchmark(spec, "cpu", builds, store, force=True)
+    again = run_benchmark(BenchmarkConfig.of(spec, "cpu"), builds, store, force=True)
     assert again.key == published.key and again.cached
     assert again.file(SAMPLES).read_bytes() == before
     assert again.kept.startswith("measured again, but other processes used") and not published.kept
@@ -250,9 +253,9 @@ def test_a_measurement_published_under_contention_is_taken_again_and_kept_saying
     spec, store = encoder_judging_load
     builds = {"tiny/fp32/cpu": engines(spec, store)["cpu"]}
     request.getfixturevalue("busy_machine")
-    first = run_benchmark(spec, "cpu", builds, store)  # nothing published yet: published, contended
+    first = run_benchmark(BenchmarkConfig.of(spec, "cpu"), builds, store)  # nothing published yet: published, contended
     assert first.outputs["host"]["contended"] and not first.kept
-    again = run_benchmark(spec, "cpu", builds, store)  # not reused as is: measured again
+    again = run_benchmark(BenchmarkConfig.of(spec, "cpu"), builds, store)  # not reused as is: measured again
     assert again.key == first.key
     if again.kept:  # at least as busy: the published one stands
         assert again.kept.startswith("measured again") and again.cached
@@ -275,7 +278,7 @@ def test_decoder_measures_prefill_and_decode_step(pipeline_factory: Callable[...
                                                   tmp_path: Path) -> None:
     spec = load(pipeline_factory(tiny_llama_dir, "text-generation-with-past")).pipelines["tiny"]
     store = ArtifactStore(tmp_path / "artifacts")
-    result = run_benchmark(spec, "cpu", {"tiny/fp32/cpu": engines(spec, store)["cpu"]}, store)
+    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), {"tiny/fp32/cpu": engines(spec, store)["cpu"]}, store)
     view = for_candidate(result, "tiny/fp32/cpu")
     assert [(d["batch"], d["past"]) for d in view.outputs["decode"]] == [(1, 8), (2, 8)]
     for step in view.outputs["decode"]:
@@ -300,7 +303,7 @@ def test_a_decode_step_gate_point_gets_the_main_budget_and_decides_on_decode_rat
     store = ArtifactStore(tmp_path / "artifacts")
     built = engines(spec, store)
     builds = {"tiny/fp32/cpu": built["cpu"], "tiny/fp32/cpu-basic": built["cpu-basic"]}
-    result = run_benchmark(spec, "cpu", builds, store)
+    result = run_benchmark(BenchmarkConfig.of(spec, "cpu"), builds, store)
     champion = Champion("tiny-cpu", "1", "run-1", built["cpu-basic"].key, "fp32")
     view = for_candidate(result, "tiny/fp32/cpu", champion).outputs
     gate = view["gate_point"]

@@ -11,9 +11,10 @@ import pytest
 
 from tasks.backends.base import get_backend
 from tasks.config.spec import PipelineSpec, TargetSpec, load
+from tasks.config.stage_settings import BuildConfig, CalibrationSource
 from tasks.runtime.store import ArtifactStore, StageResult
-from tasks.stages.build import BuildConfig, BuildUnavailable, build_key, open_engine, run_build, torch_upstream
-from tasks.stages.calibration_feeds import CalibrationSource, prompt_batches
+from tasks.stages.build import BuildUnavailable, build_key, open_engine, run_build, torch_upstream
+from tasks.stages.calibration_feeds import prompt_batches
 from tests.fixtures.models import write_pipelines
 from tests.fixtures.onnx_graphs import write_mlp
 
@@ -39,7 +40,7 @@ def precision_output(store: ArtifactStore, tmp_path: Path, *, cpu_graph: bool = 
 
 def test_build_writes_the_engine_and_is_cached(tmp_path: Path) -> None:
     store, spec = ArtifactStore(tmp_path / "artifacts"), make_spec()
-    first = run_build(spec, precision_output(store, tmp_path), "cpu", store)
+    first = run_build(BuildConfig.of(spec, "cpu", "fp32"), precision_output(store, tmp_path), store)
     assert not first.cached
     assert first.path == store.path("mlp", "build", first.key)
     outputs = first.outputs
@@ -47,9 +48,10 @@ def test_build_writes_the_engine_and_is_cached(tmp_path: Path) -> None:
     assert outputs["engine_bytes"] == first.file("model.onnx").stat().st_size > 0
     assert outputs["build_seconds"] >= 0 and outputs["precision"] == "fp32" and outputs["target"] == "cpu"
     assert outputs["hardware"]["isa"] == json.loads(first.file("engine.json").read_text())["hardware"]["isa"]
-    again = run_build(spec, precision_output(store, tmp_path), "cpu", store)
+    again = run_build(BuildConfig.of(spec, "cpu", "fp32"), precision_output(store, tmp_path), store)
     assert again.cached and again.key == first.key
-    assert not run_build(spec, precision_output(store, tmp_path), "cpu", store, force=True).cached
+    assert not run_build(BuildConfig.of(spec, "cpu", "fp32"), precision_output(store, tmp_path), store,
+                         force=True).cached
 
 
 def test_key_covers_target_settings_and_upstream(tmp_path: Path) -> None:
@@ -58,7 +60,7 @@ def test_key_covers_target_settings_and_upstream(tmp_path: Path) -> None:
     backend = get_backend("onnxruntime")
     one_thread, two_threads = make_spec(), make_spec(threads=2)
     key = build_key(fp32, one_thread.target("cpu"), backend, one_thread.profiles)
-    assert key == run_build(one_thread, fp32, "cpu", store).key
+    assert key == run_build(BuildConfig.of(one_thread, "cpu", "fp32"), fp32, store).key
     assert key != build_key(fp32, two_threads.target("cpu"), backend, two_threads.profiles)
     assert key != build_key(precision_output(store, tmp_path, cpu_graph=True), one_thread.target("cpu"), backend,
                             one_thread.profiles)
@@ -69,8 +71,8 @@ def test_a_renamed_target_gets_its_own_engine(tmp_path: Path) -> None:
     fp32 = precision_output(store, tmp_path)
     renamed = PipelineSpec.model_validate(make_spec().model_dump() | {
         "targets": [{"name": "cpu-x86", "backend": "onnxruntime", "threads": 1}]})
-    first = run_build(make_spec(), fp32, "cpu", store)
-    moved = run_build(renamed, fp32, "cpu-x86", store)
+    first = run_build(BuildConfig.of(make_spec(), "cpu", "fp32"), fp32, store)
+    moved = run_build(BuildConfig.of(renamed, "cpu-x86", "fp32"), fp32, store)
     assert moved.key != first.key and moved.outputs["target"] == "cpu-x86"
     with open_engine(renamed.targets, moved) as runner:
         assert runner.infer({"x": np.ones((2, 16), np.float32)})["y"].shape == (2, 8)
@@ -78,13 +80,14 @@ def test_a_renamed_target_gets_its_own_engine(tmp_path: Path) -> None:
 
 def test_int8_builds_from_the_cpu_graph(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path / "artifacts")
-    result = run_build(make_spec(), precision_output(store, tmp_path, cpu_graph=True), "cpu", store)
+    int8 = precision_output(store, tmp_path, cpu_graph=True)
+    result = run_build(BuildConfig.of(make_spec(), "cpu", "int8"), int8, store)
     assert result.outputs["source_model"] == "model.cpu.onnx"
 
 
 def test_built_engine_opens_as_a_runner(tmp_path: Path) -> None:
     store, spec = ArtifactStore(tmp_path / "artifacts"), make_spec()
-    result = run_build(spec, precision_output(store, tmp_path), "cpu", store)
+    result = run_build(BuildConfig.of(spec, "cpu", "fp32"), precision_output(store, tmp_path), store)
     with open_engine(spec.targets, result) as runner:
         assert runner.infer({"x": np.ones((2, 16), dtype=np.float32)})["y"].shape == (2, 8)
 
@@ -94,7 +97,7 @@ def test_unavailable_backend_says_why_and_writes_nothing(tmp_path: Path) -> None
     if get_backend("tensorrt").missing(spec.target("sm90")) is None:
         pytest.skip("this machine can build for sm90 with TensorRT")
     with pytest.raises(BuildUnavailable, match="target sm90 \\(tensorrt\\): cannot build here: .+"):
-        run_build(spec, precision_output(store, tmp_path), "sm90", store)
+        run_build(BuildConfig.of(spec, "sm90", "fp32"), precision_output(store, tmp_path), store)
     assert not (store.root / "mlp" / "build").exists()
 
 

@@ -11,6 +11,7 @@ import mlflow
 import pytest
 
 from flows.cli import _parser, main
+from tasks.config.settings import RunSettings
 from tasks.config.spec import Candidate, PipelineSpec
 from tasks.measure import capacity
 from tasks.measure.capacity import DecodePoint, Figures, FiguresError, Limits, PrefillPoint, Workload
@@ -207,7 +208,7 @@ def _recorded_outcome(decode: bool = True) -> CandidateOutcome:
 
 def _card(capacity_settings: dict | None, decode: bool = True) -> str:
     spec, outcome = _llama_spec(capacity_settings), _recorded_outcome(decode)
-    return engine_card(spec, outcome, stage_metrics(outcome.stages))
+    return engine_card(RunSettings.of(spec), outcome, stage_metrics(outcome.stages))
 
 
 MIX = {"tokens_per_day": BILLION, "prompt": 512, "answer": 256, "slo_ms": 500, "gpus_per_host": 8}
@@ -257,5 +258,5 @@ def test_the_setting_takes_the_clis_defaults_and_meanings() -> None:
 def test_figures_the_arithmetic_cannot_use_leave_a_line_not_a_failed_card() -> None:
     """The card is written after promotion: a plan that raises (here zero-time figures) costs one line, not the card."""
     spec, outcome = _llama_spec(MIX), _recorded_outcome()
-    card = engine_card(spec, outcome, {"b8_s512.p99_ms": 0.0, "decode_b1_p512.p99_ms": 0.0})
+    card = engine_card(RunSettings.of(spec), outcome, {"b8_s512.p99_ms": 0.0, "decode_b1_p512.p99_ms": 0.0})
     assert "## Capacity plan\n\nNot planned: ZeroDivisionError" in card and "## Identity" in card

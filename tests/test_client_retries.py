@@ -25,19 +25,20 @@ BUSY_S = 10.0  # longer than the old retries' last attempt (2 + 4 s, +20% jitter
 
 class BusyThenReady:
     """A loopback server that answers every call as Prefect's server does while its database is locked
-    (503, Prefect's body) for BUSY_S seconds from its start, then 200."""
+    (503, Prefect's body) for BUSY_S seconds from the first call, then 200."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[float, int]] = []
-        started = time.monotonic()
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                busy = time.monotonic() - started < BUSY_S
+                now = time.monotonic()
+                since = now - owner.calls[0][0] if owner.calls else 0.0
+                busy = since < BUSY_S
                 code = 503 if busy else 200
                 body = json.dumps({"exception_message": "Service Unavailable"} if busy else "ready").encode()
-                owner.calls.append((time.monotonic() - started, code))
+                owner.calls.append((now, code))
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tasks.config.settings import DecisionSettings
 from tasks.config.spec import Candidate, PipelineSpec
 from tasks.judge.decide import decide
 from tasks.outcome import CandidateOutcome, Champion, GateResult
@@ -53,7 +54,7 @@ def measured(label: str | None, **extra: Any) -> dict[str, Any]:
 
 
 def run(*outcomes: CandidateOutcome, champion: Champion | None = CHAMPION) -> dict[str, tuple[bool, bool, str]]:
-    decide(SPEC, list(outcomes), {"cpu": champion})
+    decide(DecisionSettings.of(SPEC), list(outcomes), {"cpu": champion})
     return {o.candidate.precision: (o.decision.take_alias, o.decision.holds_alias, o.decision.reason)
             for o in outcomes}
 
@@ -210,7 +211,8 @@ def busy(outcome: CandidateOutcome, share: float = 0.68) -> CandidateOutcome:
     benchmark = outcome.stages["benchmark"]
     outputs = benchmark.outputs | {"host": {"foreign_cpu_share": share, "contended": True}}
     outcome.stages["benchmark"] = StageResult("enc", "benchmark", "bench", Path("."), {"outputs": outputs})
-    outcome.gates = [*outcome.gates, performance_gate(SPEC, {"host.contended": 1.0, "host.foreign_cpu_share": share})]
+    contended = {"host.contended": 1.0, "host.foreign_cpu_share": share}
+    outcome.gates = [*outcome.gates, performance_gate(SPEC.performance.gates, contended)]
     outcome.status = "passed" if outcome.passed_gates else "rejected"  # as the flow's gate task sets it
     return outcome
 
@@ -265,6 +267,7 @@ def test_a_nan_in_one_sample_fails_the_accuracy_gate_and_names_the_sample() -> N
     import pandas as pd
 
     from tasks.stages.accuracy import _aggregate, nonfinite_samples
+    from tasks.config.settings import GateSettings
     from tasks.judge.gates import evaluate
 
     table = pd.DataFrame({"sample": [0, 1, 2, 3], "cosine": [0.999, 0.998, float("nan"), 0.999],
@@ -274,7 +277,7 @@ def test_a_nan_in_one_sample_fails_the_accuracy_gate_and_names_the_sample() -> N
     metrics = {"accuracy.cosine_mean": _aggregate(table["cosine"], "mean")}
     validity = {"finite": True, "points": {"min": True, "opt": True, "max": True}, "problems": [],
                 "nonfinite_samples": nonfinite_samples(table)}
-    accuracy = next(g for g in evaluate(spec, metrics, validity, None) if g.gate == "accuracy")
+    accuracy = next(g for g in evaluate(GateSettings.of(spec), metrics, validity, None) if g.gate == "accuracy")
     assert not accuracy.passed
     assert "cosine_mean is NaN" in accuracy.reasons
     assert "cosine is NaN or Inf in sample 2" in accuracy.reasons

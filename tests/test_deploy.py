@@ -74,8 +74,8 @@ def test_a_run_builds_its_own_pools_targets_and_sends_the_others(pipeline_factor
                                      {"name": "edge", "backend": "onnxruntime"},
                                      {"name": "edge2", "backend": "onnxruntime", "pool": "cpu-large"}])
     spec = load(path).pipelines["enc"]
-    assert split_by_pool(spec, ["cpu", "edge", "edge2"], "cpu") == (["edge"], {"cpu-large": ["cpu", "edge2"]})
-    assert split_by_pool(spec, ["cpu", "edge"], None) == (["cpu", "edge"], {})
+    assert split_by_pool(spec.targets, "cpu") == (["edge"], {"cpu-large": ["cpu", "edge2"]})
+    assert split_by_pool(spec.targets[:2], None) == (["cpu", "edge"], {})
 
 
 def test_where_a_target_builds_is_not_part_of_its_engine_key(pipeline_factory, tiny_bert_dir):

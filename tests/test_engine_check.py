@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tasks.config.settings import DecisionSettings, RunSettings
 from tasks.config.spec import PipelineSpec
 from tasks.judge.decide import decide
-from tasks.judge.promote import promote
 from tasks.outcome import CandidateOutcome
 from tasks.registry import tracking
 from tasks.runtime import store
 from tasks.runtime.store import ArtifactStore, file_digest
 from tasks.stages import engine_check
 from tests.fixtures.candidates import candidate_outcome, pipeline_spec
+from tests.fixtures.judged import promoted
 
 pytestmark = pytest.mark.usefixtures("mlflow_server")
 
@@ -27,8 +28,8 @@ pytestmark = pytest.mark.usefixtures("mlflow_server")
 def _logged(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
     with tracking.pipeline_run(spec, "run", {}) as parent_id:
         for outcome in outcomes:
-            outcome.run_id = tracking.log_candidate(parent_id, spec, outcome)
-    return decide(spec, outcomes, {})
+            outcome.run_id = tracking.log_candidate(parent_id, RunSettings.of(spec), outcome)
+    return decide(DecisionSettings.of(spec), outcomes, {})
 
 
 def _rot_under_unchanged_stamps(path: Path) -> None:
@@ -56,19 +57,19 @@ def test_rot_under_unchanged_stamps_is_caught_by_the_check_before_registering(tm
     uploaded = engine_check.engine_digest(build, engine_check.verify_files(build))
     _rot_under_unchanged_stamps(build.file("model.onnx"))
     with pytest.raises(engine_check.EngineRejected, match="sha256 differs from the build manifest"):
-        engine_check.check_before_registering(spec, outcome.stages, uploaded)
+        engine_check.check_before_registering(spec.targets, spec.profiles, outcome.stages, uploaded)
 
 
 def test_an_engine_that_rotted_after_upload_is_never_registered_and_the_alias_stays(tmp_path: Path) -> None:
     spec = pipeline_spec(f"rot-{uuid.uuid4().hex[:8]}")
     name = f"{spec.name}-cpu"
     first = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=400.0)
-    promote(spec, _logged(spec, [first]))
+    promoted(spec, _logged(spec, [first]))
 
     bad = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=900.0, variant="night-2")
     logged = _logged(spec, [bad])
     _rot_under_unchanged_stamps(bad.stages["build"].file("model.onnx"))
-    promote(spec, logged)
+    promoted(spec, logged)
 
     assert bad.status == "failed" and bad.model_version is None, bad.error
     client = MlflowClient()

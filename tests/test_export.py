@@ -7,6 +7,7 @@ import onnxruntime as ort
 import pytest
 
 from tasks.config import spec as spec_module
+from tasks.config.stage_settings import ExportConfig
 from tasks.runtime.store import ArtifactStore
 from tasks.stages.export import export_key, run_export
 from tests.fixtures.models import write_pipelines
@@ -23,7 +24,7 @@ def bert_export(tiny_bert_dir, tmp_path_factory):
     pipelines = write_pipelines(root, tiny_bert_dir, "feature-extraction")
     spec = _spec(pipelines)
     store = ArtifactStore(root / "artifacts")
-    return spec, store, run_export(spec, store)
+    return spec, store, run_export(ExportConfig.of(spec), store)
 
 
 def test_feature_extraction_export_records_graph_facts(bert_export):
@@ -54,7 +55,7 @@ def test_exported_graph_runs_at_dynamic_shapes(bert_export):
 
 def test_second_export_is_a_cache_hit(bert_export):
     spec, store, first = bert_export
-    again = run_export(spec, store)
+    again = run_export(ExportConfig.of(spec), store)
     assert again.cached and not first.cached
     assert again.key == first.key
     assert again.manifest["files"] == first.manifest["files"]
@@ -62,21 +63,22 @@ def test_second_export_is_a_cache_hit(bert_export):
 
 def test_key_changes_with_opset_and_model_files(bert_export, tiny_bert_dir, tmp_path):
     spec, _, first = bert_export
-    assert export_key(spec.model_copy(update={"export": spec.export.model_copy(update={"opset": 17})})) != first.key
+    opset_17 = spec.model_copy(update={"export": spec.export.model_copy(update={"opset": 17})})
+    assert export_key(ExportConfig.of(opset_17)) != first.key
     model_copy = tmp_path / "model"
     model_copy.mkdir()
     for path in tiny_bert_dir.iterdir():
         (model_copy / path.name).write_bytes(path.read_bytes())
     moved = spec.model_copy(update={"model": spec.model.model_copy(update={"path": str(model_copy)})})
-    assert export_key(moved) == first.key, "same files elsewhere on disk must share the export"
+    assert export_key(ExportConfig.of(moved)) == first.key, "same files elsewhere on disk must share the export"
     (model_copy / "config.json").write_text((model_copy / "config.json").read_text().replace("0.02", "0.03"))
-    assert export_key(moved) != first.key
+    assert export_key(ExportConfig.of(moved)) != first.key
 
 
 def test_decoder_with_past_exports_one_graph_with_kv_cache(tiny_llama_dir, pipeline_factory):
     spec = _spec(pipeline_factory(tiny_llama_dir, "text-generation-with-past"))
     store = ArtifactStore(spec.base_dir / "artifacts")
-    result = run_export(spec, store)
+    result = run_export(ExportConfig.of(spec), store)
     onnx_files = sorted(name for name in result.manifest["files"] if name.endswith(".onnx"))
     assert onnx_files == ["model.onnx"]
     inputs, outputs = result.outputs["inputs"], result.outputs["outputs"]

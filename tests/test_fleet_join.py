@@ -12,6 +12,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from tasks.config.settings import GateSettings, RunSettings
 from tasks.config.spec import SpecError, load
 from tasks.judge import gates
 from tasks.metrics import stage_metrics
@@ -51,9 +52,10 @@ def test_the_parent_judges_a_candidate_from_its_mlflow_run_alone(tmp_path: Path)
     built.gates = []
     broken = failed_outcome(worker_store, spec, "int8", "cpu")
     with tracking.pipeline_run(spec, "join", params={}) as parent_run_id:
-        ids = {o.candidate.name: tracking.log_candidate(parent_run_id, spec, o, extra_tags={"fleet.pool": "gpu-x"})
+        ids = {o.candidate.name: tracking.log_candidate(parent_run_id, RunSettings.of(spec), o,
+                                                        extra_tags={"fleet.pool": "gpu-x"})
                for o in (built, broken)}
-        joined = tracking.candidate_outcomes(spec, parent_run_id, parent_store.root)
+        joined = tracking.candidate_outcomes(spec.name, parent_run_id, parent_store.root)
 
     assert set(joined) == set(ids)
     again = joined[built.candidate.name]
@@ -62,8 +64,9 @@ def test_the_parent_judges_a_candidate_from_its_mlflow_run_alone(tmp_path: Path)
         {n: (s.key, s.cached, s.outputs) for n, s in built.stages.items()}
     assert stage_metrics(again.stages) == stage_metrics(built.stages)
     validity = again.stages["accuracy"].outputs["validity"]
-    assert gates.evaluate(spec, stage_metrics(again.stages), validity, None) == \
-        gates.evaluate(spec, stage_metrics(built.stages), built.stages["accuracy"].outputs["validity"], None)
+    settings = GateSettings.of(spec)
+    assert gates.evaluate(settings, stage_metrics(again.stages), validity, None) == \
+        gates.evaluate(settings, stage_metrics(built.stages), built.stages["accuracy"].outputs["validity"], None)
     assert not again.stages["build"].path.exists(), "the parent's store does not have another host's build"
     engine = tracking.engine_dir(again, tmp_path / "downloaded")
     assert (engine / "model.onnx").read_bytes() == built.stages["build"].file("model.onnx").read_bytes()
@@ -192,9 +195,9 @@ def test_a_candidate_whose_run_was_not_logged_fails_at_track_with_why(tmp_path: 
     lost = Candidate(spec.name, "fp32", "sm90")
     why = "its MLflow run could not be logged: MlflowException: Connection refused"
     with tracking.pipeline_run(spec, "join", params={}) as parent_run_id:
-        tracking.log_candidate(parent_run_id, spec, candidate_outcome(ArtifactStore(tmp_path), spec, "fp32", "cpu",
-                                                                      throughput=400))
-        joined = {o.candidate.name: o for o in _joined(spec, [tracked, untracked, lost], parent_run_id,
+        tracking.log_candidate(parent_run_id, RunSettings.of(spec),
+                               candidate_outcome(ArtifactStore(tmp_path), spec, "fp32", "cpu", throughput=400))
+        joined = {o.candidate.name: o for o in _joined(spec.name, [tracked, untracked, lost], parent_run_id,
                                                          ArtifactStore(tmp_path / "parent"),
                                                          {untracked.name: why, "sm90": "build on pool gpu-x failed"})}
     assert joined[tracked.name].run_id and joined[tracked.name].status == "passed"

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tasks.config.settings import GateSettings
 from tasks.config.spec import PipelineSpec
 from tasks.judge.gates import evaluate
 from tasks.metrics import stage_metrics
@@ -46,7 +47,7 @@ def measured(acc: dict[str, Any], bench: dict[str, Any] | None) -> dict[str, flo
 
 
 def judge(acc: dict[str, Any], bench: dict[str, Any] | None, previous: dict[str, Any] | None = None) -> dict:
-    results = evaluate(spec(), measured(acc, bench), acc.get("validity"), previous)
+    results = evaluate(GateSettings.of(spec()), measured(acc, bench), acc.get("validity"), previous)
     return {g.gate: (g.passed, g.reasons) for g in results}
 
 
@@ -110,7 +111,7 @@ def test_errors_below_one_regress_only_beyond_the_tolerance_of_one() -> None:
     def gate(value: float) -> bool:
         stages = {"accuracy": StageResult("enc", "accuracy", "k", Path("."), {"outputs": {"metrics": {
             "max_abs_error": value}}})}
-        return evaluate(errors, stage_metrics(stages), accuracy()["validity"], previous)[3].passed
+        return evaluate(GateSettings.of(errors), stage_metrics(stages), accuracy()["validity"], previous)[3].passed
 
     assert gate(2e-6) and gate(0.009) and not gate(0.02)
 

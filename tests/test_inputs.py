@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from tasks.config import spec as spec_module
+from tasks.config.stage_settings import ExportConfig, ModelSource
 from tasks.runtime.store import ArtifactStore
 from tasks.stages.export import run_export
 from tasks.stages.inputs import decoder_feeds, encoder_feeds, read_texts, reference_outputs
-from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.models import load_reference, load_tokenizer
 from tests.fixtures.models import TEXTS, assert_decoder_step_matches_reference, write_pipelines
 
 BERT_INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
@@ -24,7 +25,7 @@ def llama(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("llama-inputs")
     pipelines = write_pipelines(root, tiny_llama_dir, "text-generation-with-past")
     spec = spec_module.load(pipelines).pipelines["tiny"]
-    export = run_export(spec, ArtifactStore(root / "artifacts"))
+    export = run_export(ExportConfig.of(spec), ArtifactStore(root / "artifacts"))
     return spec, load_tokenizer(ModelSource.of(spec)), load_reference(ModelSource.of(spec)), export
 
 

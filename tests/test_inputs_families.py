@@ -20,10 +20,11 @@ from onnx import numpy_helper
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from tasks.config import spec as spec_module
+from tasks.config.stage_settings import ExportConfig, ModelSource, ValidateConfig
 from tasks.runtime.store import ArtifactStore, StageResult
 from tasks.stages.export import run_export
 from tasks.stages.inputs import decoder_feeds, filled_encoder_feeds
-from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.models import load_reference, load_tokenizer
 from tasks.stages.validate import ValidationFailed, feed_shape_problems, run_validate
 from tests.fixtures.models import REPO, TEXTS, assert_decoder_step_matches_reference, write_pipelines
 
@@ -66,7 +67,7 @@ def decoder(request, tiny_llama_dir, tmp_path_factory):
     model_dir = tiny_llama_dir if family == "llama" else _make_decoder(root / "model", tiny_llama_dir, family)
     spec = spec_module.load(write_pipelines(root, model_dir, "text-generation-with-past")).pipelines["tiny"]
     store = ArtifactStore(root / "artifacts")
-    return family, spec, store, run_export(spec, store)
+    return family, spec, store, run_export(ExportConfig.of(spec), store)
 
 
 def _declared(export: StageResult) -> dict[str, list]:
@@ -98,7 +99,7 @@ def test_onnx_matches_reference_from_names_alone(decoder, batch, seq, past):
 
 def test_validation_passes_with_past(decoder):
     _, spec, store, export = decoder
-    outputs = run_validate(spec, export, store).outputs
+    outputs = run_validate(ValidateConfig.of(spec), export, store).outputs
     assert outputs["passed"] is True
     assert "prefill" in outputs["outputs"]["present.0.key"]
 
@@ -121,12 +122,12 @@ def test_validation_refuses_feeds_the_graph_does_not_declare(tiny_llama_dir, tmp
     """A graph that declares 1 kv head while the reference caches 2: reported before any comparison."""
     spec = spec_module.load(write_pipelines(tmp_path, tiny_llama_dir, "text-generation-with-past")).pipelines["tiny"]
     store = ArtifactStore(tmp_path / "artifacts")
-    export = run_export(spec, store)
+    export = run_export(ExportConfig.of(spec), store)
     manifest = copy.deepcopy(export.manifest)
     manifest["outputs"]["inputs"]["past_key_values.0.key"]["shape"][1] = 1
     edited = StageResult(export.pipeline, "export", f"{export.key}-edited", export.path, manifest)
     with pytest.raises(ValidationFailed) as failed:
-        run_validate(spec, edited, store)
+        run_validate(ValidateConfig.of(spec), edited, store)
     assert ("input 'past_key_values.0.key' at max: fed shape [3, 2, 24, 16], the graph declares "
             "['batch_size', 1, 'past_sequence_length', 16] (axis 1 must be 1)") in str(failed.value)
 
@@ -167,7 +168,7 @@ def _xlmr_export(root: Path, model_dir: Path):
                                             profiles=[{"batch": [1, 1, 2], "seq": [4, 8, 20]}])).pipelines["tiny"]
     (root / "data" / "eval.txt").write_text(SHORT_TEXTS)
     store = ArtifactStore(root / "artifacts")
-    return spec, store, run_export(spec, store)
+    return spec, store, run_export(ExportConfig.of(spec), store)
 
 
 def _fewer_positions(export: StageResult, out: Path, rows: int) -> StageResult:
@@ -192,7 +193,7 @@ def test_filled_encoder_feeds_have_no_padding(xlmr_dir):
 def test_validation_runs_real_tokens_at_every_position(xlmr_dir, tmp_path):
     """20 real tokens take positions 4..23; padded short texts would only reach position 8 (pads sit at 3)."""
     spec, store, export = _xlmr_export(tmp_path, xlmr_dir)
-    assert run_validate(spec, export, store).outputs["passed"] is True
+    assert run_validate(ValidateConfig.of(spec), export, store).outputs["passed"] is True
     short_table = _fewer_positions(export, tmp_path / "short-table", rows=20)
     with pytest.raises(ValidationFailed, match=r"onnxruntime failed at max shape \{'batch': 2, 'seq': 20\}"):
-        run_validate(spec, short_table, store)
+        run_validate(ValidateConfig.of(spec), short_table, store)

@@ -15,11 +15,12 @@ import yaml
 from transformers import BertConfig, BertModel
 
 from tasks.config import spec as spec_module
+from tasks.config.stage_settings import ExportConfig, ModelSource
 from tasks.runtime.store import ArtifactStore, file_digest
 from tasks.stages.accuracy import cosine, mean_pool
 from tasks.stages.export import run_export
 from tasks.stages.inputs import encoder_feeds, read_texts
-from tasks.stages.models import ModelSource, load_tokenizer
+from tasks.stages.models import load_tokenizer
 from tasks.stages.precision import CPU_MODEL_FILE, MODEL_FILE, precision_key, run_precision
 from tests.fixtures.models import MINILM_TOKENIZER_FILES
 
@@ -75,7 +76,7 @@ def built(outlier_bert_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("fallback")
     plain = _spec(root, outlier_bert_dir)
     store = ArtifactStore(root / "artifacts")
-    exported = run_export(plain, store)
+    exported = run_export(ExportConfig.of(plain), store)
     with_fallback = _spec(root, outlier_bert_dir, accuracy_fallback={"max_float_share": 0.2})
     return (exported, run_precision(plain, exported, "int8", store),
             run_precision(with_fallback, exported, "int8", store), with_fallback)

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from tasks.backends.onnxruntime.backend import int8_products
 from tasks.backends.tensorrt.target import TensorRTTarget
 from tasks.config import spec as spec_module
+from tasks.config.stage_settings import ExportConfig
 from tasks.runtime.stage_runner import run_stage
 from tasks.runtime.store import ArtifactStore
 from tasks.stages.export import run_export
@@ -82,7 +83,7 @@ def bert_int8(tiny_bert_dir: Path, tmp_path_factory: pytest.TempPathFactory):
                 "benchmark": {"batch_sizes": [1, 2], "seq_lens": [16]}}
     (root / "pipelines.yaml").write_text(yaml.safe_dump({"pipelines": {"tiny": pipeline}}))
     spec = spec_module.load(root / "pipelines.yaml").pipelines["tiny"]
-    return PrecisionConfig.of(spec, "int8"), run_export(spec, ArtifactStore(root / "artifacts")), spec
+    return PrecisionConfig.of(spec, "int8"), run_export(ExportConfig.of(spec), ArtifactStore(root / "artifacts")), spec
 
 
 def test_the_precision_stage_writes_7_bit_weights_for_a_saturating_cpu(bert_int8, tmp_path: Path) -> None:

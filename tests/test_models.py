@@ -10,8 +10,9 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from tasks.config import spec as spec_module
+from tasks.config.stage_settings import ModelSource
 from tasks.runtime.store import tree_digest
-from tasks.stages.models import ModelSource, load_reference, load_tokenizer, model_source_digest
+from tasks.stages.models import load_reference, load_tokenizer, model_source_digest
 from tests.fixtures.models import load_llama_maker
 
 

@@ -12,16 +12,16 @@ import pytest
 from mlflow.tracking import MlflowClient
 from pydantic import ValidationError
 
+from tasks.config.settings import RegistrySettings, RunSettings
 from tasks.config.spec import PipelineSpec, WebhookSpec
 from tasks.judge import notify
-from tasks.judge.promote import promote
 from tasks.metrics import stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.registry import tracking
 from tasks.runtime.redact import redacted_url
 from tasks.runtime.store import ArtifactStore
 from tests.fixtures.candidates import candidate_outcome, pipeline_spec
-from tests.fixtures.judged import judged
+from tests.fixtures.judged import judged, promoted
 from tests.fixtures.servers import WebhookReceiver
 
 RETRIES = 2
@@ -34,9 +34,9 @@ def _spec(receiver: WebhookReceiver) -> PipelineSpec:
 
 def _promoted(spec: PipelineSpec, outcome: CandidateOutcome) -> list[dict]:
     """What the pipeline flow does after the gates: log, promote, notify; returns the deliveries."""
-    promote(spec, judged(spec, [outcome]))
+    promoted(spec, judged(spec, [outcome]))
     assert outcome.status == "promoted"
-    return notify.notify_promotions(spec, [outcome], backoff_s=0.01)
+    return notify.notify_promotions(RegistrySettings.of(spec), [outcome], backoff_s=0.01)
 
 
 def _events(outcome: CandidateOutcome) -> list[dict]:
@@ -110,12 +110,12 @@ def test_event_stays_pending_while_receiver_is_down_and_retry_delivers_it_once(
     webhook_receiver.down = False
     if outage == "port closed":
         webhook_receiver.start()
-    results = notify.retry_pending(spec, backoff_s=0.01)
+    results = notify.retry_pending([RegistrySettings.of(spec)], backoff_s=0.01)
     assert [(r["status"], r["version"], r["delivery_id"]) for r in results] == [
         ("delivered", outcome.model_version, stored["delivery_id"])]
     assert webhook_receiver.events == [stored]
     assert _delivery(outcome)["status"] == "delivered"
-    assert notify.retry_pending([spec], backoff_s=0.01) == []
+    assert notify.retry_pending([RegistrySettings.of(spec)], backoff_s=0.01) == []
     assert len(webhook_receiver.events) == 1
 
 
@@ -156,12 +156,12 @@ def test_event_for_a_removed_webhook_is_abandoned_once_not_retried_forever(
 
     webhook_receiver.down = False
     removed = pipeline_spec(spec.name)
-    results = notify.retry_pending(removed, backoff_s=0.01)
+    results = notify.retry_pending([RegistrySettings.of(removed)], backoff_s=0.01)
     assert [(r["status"], r["attempts"]) for r in results] == [("abandoned", RETRIES + 1)]
     assert "no longer in pipelines.yaml" in results[0]["last_error"]
     assert _delivery(outcome)["status"] == "abandoned"
-    assert notify.retry_pending(removed, backoff_s=0.01) == []
-    assert notify.retry_pending(spec, backoff_s=0.01) == [] and webhook_receiver.events == []
+    assert notify.retry_pending([RegistrySettings.of(removed)], backoff_s=0.01) == []
+    assert notify.retry_pending([RegistrySettings.of(spec)], backoff_s=0.01) == [] and webhook_receiver.events == []
 
 
 @pytest.mark.usefixtures("mlflow_server")
@@ -172,7 +172,7 @@ def test_secret_and_full_webhook_url_are_never_written_to_mlflow(webhook_receive
     outcome = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=500.0)
     pending = _promoted(spec, outcome)
     webhook_receiver.down = False
-    retried = notify.retry_pending(spec, backoff_s=0.01)
+    retried = notify.retry_pending([RegistrySettings.of(spec)], backoff_s=0.01)
     assert [r["status"] for r in retried] == ["delivered"] and len(webhook_receiver.events) == 1
 
     redacted = redacted_url(webhook_receiver.url)
@@ -190,7 +190,7 @@ def test_secret_and_full_webhook_url_are_never_written_to_mlflow(webhook_receive
     written.append(json.dumps(client.get_model_version(outcome.model_name, outcome.model_version).tags))
     model = client.get_registered_model(outcome.model_name)
     written.append(json.dumps([model.tags, model.description]))
-    written.append(tracking.engine_card(spec, outcome, stage_metrics(outcome.stages)))
+    written.append(tracking.engine_card(RunSettings.of(spec), outcome, stage_metrics(outcome.stages)))
     assert spec.promotion.webhooks[0].secret_env in "".join(written)
     for hidden in (webhook_receiver.secret, webhook_receiver.url, webhook_receiver.path):
         assert not any(hidden in text for text in written)
@@ -204,7 +204,7 @@ def test_a_refusing_receiver_fails_the_event_once_and_it_is_never_retried(
     outcome = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=500.0)
     assert [(d["status"], d["attempts"]) for d in _promoted(spec, outcome)] == [("failed", 1)]
     assert webhook_receiver.rejected == 1 and "HTTP 401" in _delivery(outcome)["last_error"]
-    assert notify.retry_pending(spec, backoff_s=0.01) == []
+    assert notify.retry_pending([RegistrySettings.of(spec)], backoff_s=0.01) == []
     assert webhook_receiver.attempts == 1 and _delivery(outcome)["status"] == "failed"
 
 
@@ -218,12 +218,13 @@ def test_an_event_whose_alias_never_moved_is_abandoned_and_the_alias_holder_keep
     _promoted(spec, first)
     second = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-2")
     with tracking.pipeline_run(spec, "run", {}) as parent_id:
-        second.run_id = tracking.log_candidate(parent_id, spec, second)
+        second.run_id = tracking.log_candidate(parent_id, RunSettings.of(spec), second)
     version = tracking.create_version(first.model_name, second.run_id, {"cache_key": second.cache_key}).version
-    event = notify.promotion_event(spec, second, first.model_name, version, {}, "2026-01-01T00:00:00+00:00")
-    notify.record_event(first.model_name, version, notify.new_record(spec, event, first.model_version))
+    registry = RegistrySettings.of(spec)
+    event = notify.promotion_event(registry, second, first.model_name, version, {}, "2026-01-01T00:00:00+00:00")
+    notify.record_event(first.model_name, version, notify.new_record(registry, event, first.model_version))
 
-    results = notify.retry_pending(spec, backoff_s=0.01)
+    results = notify.retry_pending([RegistrySettings.of(spec)], backoff_s=0.01)
     assert [(r["version"], r["status"]) for r in results] == [(version, "abandoned")]
     assert "before the alias moved" in results[0]["last_error"]
     assert [e["version"] for e in webhook_receiver.events] == [first.model_version]
@@ -240,7 +241,7 @@ def test_an_alias_with_no_event_for_its_promotion_gets_one(webhook_receiver: Web
     _promoted(spec, second)
     tracking.set_alias(first.model_name, "champion", first.model_version)  # moved back by hand
 
-    results = notify.retry_pending(spec, backoff_s=0.01)
+    results = notify.retry_pending([RegistrySettings.of(spec)], backoff_s=0.01)
     assert [(r["version"], r["status"]) for r in results] == [(first.model_version, "delivered")]
     assert [e["version"] for e in webhook_receiver.events] == [first.model_version, second.model_version,
                                                                first.model_version]
@@ -248,7 +249,7 @@ def test_an_alias_with_no_event_for_its_promotion_gets_one(webhook_receiver: Web
     assert (announced["candidate"], announced["precision"], announced["metrics"]["throughput"]) == (
         first.candidate.name, "int8", 400.0)
     assert len(_events(first)) == 2
-    assert notify.retry_pending(spec, backoff_s=0.01) == [] and len(webhook_receiver.events) == 3
+    assert notify.retry_pending([RegistrySettings.of(spec)], backoff_s=0.01) == [] and len(webhook_receiver.events) == 3
 
 
 @pytest.mark.usefixtures("mlflow_server")
@@ -256,7 +257,7 @@ def test_events_recorded_in_the_earlier_per_field_tags_are_still_delivered_with_
         webhook_receiver: WebhookReceiver, tmp_path: Path) -> None:
     spec = _spec(webhook_receiver)
     outcome = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=500.0)
-    promote(spec, judged(spec, [outcome]))
+    promoted(spec, judged(spec, [outcome]))
     name, version = outcome.model_name, outcome.model_version
     tracking.delete_version_tag(name, version, notify.EVENTS_TAG)
     body = json.dumps({"event": "engine.promoted", "version": version, "delivery_id": "legacy-id-1"})
@@ -265,7 +266,7 @@ def test_events_recorded_in_the_earlier_per_field_tags_are_still_delivered_with_
         "smelter.notify.0.attempts": "3", "smelter.notify.0.last_error": "HTTP 503", "smelter.notify.0.event": body,
         "smelter.notify.pending": "true"})
 
-    results = notify.retry_pending(spec, backoff_s=0.01)
+    results = notify.retry_pending([RegistrySettings.of(spec)], backoff_s=0.01)
     assert [(r["status"], r["delivery_id"], r["attempts"]) for r in results] == [("delivered", "legacy-id-1", 4)]
     assert webhook_receiver.events == [json.loads(body)]
-    assert notify.retry_pending(spec, backoff_s=0.01) == [] and len(webhook_receiver.events) == 1
+    assert notify.retry_pending([RegistrySettings.of(spec)], backoff_s=0.01) == [] and len(webhook_receiver.events) == 1

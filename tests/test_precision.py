@@ -13,10 +13,11 @@ import pytest
 import yaml
 
 from tasks.config import spec as spec_module
+from tasks.config.stage_settings import ExportConfig, ModelSource
 from tasks.runtime.store import ArtifactStore, file_digest
 from tasks.stages.export import run_export
 from tasks.stages.inputs import encoder_feeds, read_texts
-from tasks.stages.models import ModelSource, load_tokenizer
+from tasks.stages.models import load_tokenizer
 from tasks.stages.precision import (
     CALIBRATION_FILE,
     CPU_MODEL_FILE,
@@ -58,7 +59,7 @@ def bert(tiny_bert_dir, tmp_path_factory):
         shutil.copy(REPO / "data" / name, root / "data" / name)
     spec = _write_spec(root, tiny_bert_dir)
     store = ArtifactStore(root / "artifacts")
-    exported = run_export(spec, store)
+    exported = run_export(ExportConfig.of(spec), store)
     results = {p: run_precision(spec, exported, p, store) for p in ("fp32", "fp16", "int8")}
     return spec, store, exported, results
 
@@ -271,7 +272,7 @@ def test_int8_of_a_llama_without_past_builds_on_the_most_fused_graph_that_can_be
         "benchmark": {"batch_sizes": [1], "seq_lens": [16]}}}}))
     spec = spec_module.load(tmp_path / "pipelines.yaml").pipelines["llama"]
     store = ArtifactStore(tmp_path / "artifacts")
-    exported = run_export(spec, store)
+    exported = run_export(ExportConfig.of(spec), store)
     int8 = run_precision(spec, exported, "int8", store)
 
     fusion = int8.outputs["cpu_fusion"]

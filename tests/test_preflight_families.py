@@ -20,10 +20,11 @@ from transformers import PreTrainedTokenizerFast
 
 from tasks.config import spec as spec_module
 from tasks.config.spec import SpecError
+from tasks.config.stage_settings import ExportConfig, ModelSource
 from tasks.runtime.store import ArtifactStore
 from tasks.stages import inputs
 from tasks.stages.export import run_export
-from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.models import load_reference, load_tokenizer
 from tests.fixtures.models import REPO, load_llama_maker, write_pipelines
 
 SIZES = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
@@ -194,7 +195,7 @@ def test_a_classifier_without_a_pad_token_exports_and_pads_with_eos(tmp_path: Pa
     path, ok = validate(tmp_path, model_dir, "text-classification")
     assert ok == ""
     spec = spec_module.load(path, check_env=False).pipelines["tiny"]
-    exported = run_export(spec, ArtifactStore(tmp_path / "artifacts"))
+    exported = run_export(ExportConfig.of(spec), ArtifactStore(tmp_path / "artifacts"))
 
     source = ModelSource.of(spec)
     tokenizer, reference = load_tokenizer(source), load_reference(source)

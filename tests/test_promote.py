@@ -19,13 +19,14 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from tasks.config.settings import RegistrySettings, RunSettings
 from tasks.judge import notify
-from tasks.judge.promote import PromotionError, promote
+from tasks.judge.promote import PromotionError
 from tasks.outcome import CandidateOutcome
 from tasks.registry import tracking
 from tasks.runtime.store import ArtifactStore, file_digest
 from tests.fixtures.candidates import candidate_outcome, failed_outcome, pipeline_spec
-from tests.fixtures.judged import judged
+from tests.fixtures.judged import judged, promoted
 from tests.fixtures.onnx_graphs import linear_model
 
 pytestmark = pytest.mark.usefixtures("mlflow_server")
@@ -46,9 +47,9 @@ def test_best_passing_candidate_gets_alias_and_rejected_ones_are_never_registere
     slow = candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0)
     rejected = candidate_outcome(store, spec, "fp32", "sm90", throughput=900.0, passed=False)
     failed = failed_outcome(store, spec, "int8", "sm90")
-    outcomes = promote(spec, judged(spec, [fast, slow, rejected, failed]))
+    outcomes = promoted(spec, judged(spec, [fast, slow, rejected, failed]))
     for outcome in outcomes:
-        tracking.finish_candidate(outcome.run_id, spec, outcome)
+        tracking.finish_candidate(outcome.run_id, RunSettings.of(spec), outcome)
 
     assert [o.status for o in (fast, slow, rejected, failed)] == ["promoted", "passed", "rejected", "failed"]
     cpu_model = f"{spec.name}-cpu"
@@ -73,7 +74,7 @@ def test_best_passing_candidate_gets_alias_and_rejected_ones_are_never_registere
 
     engine = Path(mlflow.artifacts.download_artifacts(f"models:/{cpu_model}@champion", dst_path=str(tmp_path / "dl")))
     assert (engine / "model.onnx").read_bytes() == fast.stages["build"].file("model.onnx").read_bytes()
-    champion = tracking.champion(spec, "cpu")
+    champion = tracking.champion(RegistrySettings.of(spec), "cpu")
     assert (champion.run_id, champion.version, champion.build_key) == (fast.run_id, fast.model_version, fast.cache_key)
 
 
@@ -83,14 +84,14 @@ def test_an_engine_rejected_before_and_passing_now_is_uploaded_to_the_run_that_r
     store = ArtifactStore(tmp_path / "artifacts")
     rejected = candidate_outcome(store, spec, "int8", "cpu", throughput=500.0, passed=False)
     rejected.stages["build"] = dataclasses.replace(rejected.stages["build"], cached=True)
-    promote(spec, judged(spec, [rejected]))
+    promoted(spec, judged(spec, [rejected]))
     first_run = rejected.run_id
     passing = candidate_outcome(store, spec, "int8", "cpu", throughput=500.0)
     passing.stages["build"] = dataclasses.replace(passing.stages["build"], cached=True)
     assert passing.cache_key == rejected.cache_key
     logged = judged(spec, [passing])
     assert tracking.engine_source(passing.run_id) == f"runs:/{first_run}/engine", "nothing uploaded while judged"
-    promote(spec, logged)
+    promoted(spec, logged)
 
     assert passing.status == "promoted" and passing.run_id != first_run
     version = MlflowClient().get_model_version(f"{spec.name}-cpu", passing.model_version)
@@ -107,7 +108,7 @@ def test_latency_objective_promotes_the_lowest_p99(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path)
     high_throughput = candidate_outcome(store, spec, "int8", "cpu", throughput=500.0, p99_ms=20.0)
     low_latency = candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0, p99_ms=8.0)
-    promote(spec, judged(spec, [high_throughput, low_latency]))
+    promoted(spec, judged(spec, [high_throughput, low_latency]))
     assert (low_latency.status, high_throughput.status) == ("promoted", "passed")
     assert _alias(f"{spec.name}-cpu") == low_latency.model_version
 
@@ -117,22 +118,22 @@ def test_alias_moves_only_when_a_later_run_promotes(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path)
     name = f"{spec.name}-cpu"
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, judged(spec, [first]))
+    promoted(spec, judged(spec, [first]))
     assert _alias(name) == first.model_version
 
     worse = candidate_outcome(store, spec, "int8", "cpu", throughput=100.0, passed=False, variant="night-2")
-    promote(spec, judged(spec, [worse]))
+    promoted(spec, judged(spec, [worse]))
     assert worse.status == "rejected" and _alias(name) == first.model_version
     assert _versions(name) == [first.model_version]
 
     unchanged = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, judged(spec, [unchanged]))
+    promoted(spec, judged(spec, [unchanged]))
     assert unchanged.cache_key == first.cache_key
     assert unchanged.status == "passed" and unchanged.model_version == first.model_version
     assert _versions(name) == [first.model_version]
 
     better = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-4")
-    promote(spec, judged(spec, [better]))
+    promoted(spec, judged(spec, [better]))
     assert better.status == "promoted" and _alias(name) == better.model_version != first.model_version
 
 
@@ -143,7 +144,7 @@ def test_failed_promotion_step_restores_previous_alias_model_metadata_and_remove
     store = ArtifactStore(tmp_path)
     name = f"{spec.name}-cpu"
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, judged(spec, [first]))
+    promoted(spec, judged(spec, [first]))
     client = MlflowClient()
     client.update_registered_model(name, description="written by hand")
     client.set_registered_model_tag(name, "model", "an older model")
@@ -161,7 +162,7 @@ def test_failed_promotion_step_restores_previous_alias_model_metadata_and_remove
     monkeypatch.setattr(tracking, "set_version_tags", refuse_record)
     better = candidate_outcome(store, spec, "int8", "cpu", throughput=900.0, variant="night-2")
     with pytest.raises(PromotionError, match=f"promotion of pipeline {spec.name} failed: .*rolled back"):
-        promote(spec, judged(spec, [better]))
+        promoted(spec, judged(spec, [better]))
 
     assert _alias(name) == first.model_version
     assert _versions(name) == [first.model_version]
@@ -178,7 +179,7 @@ def test_promotion_refuses_candidates_that_were_never_logged(tmp_path: Path) -> 
     spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
     unlogged = candidate_outcome(ArtifactStore(tmp_path), spec, "int8", "cpu", throughput=400.0)
     with pytest.raises(PromotionError, match="no MLflow run_id"):
-        promote(spec, [unlogged])
+        promoted(spec, [unlogged])
     assert not MlflowClient().search_registered_models(f"name = '{spec.name}-cpu'")
 
 
@@ -187,15 +188,15 @@ def test_a_version_that_gets_the_alias_back_has_its_tags_refreshed(tmp_path: Pat
     store = ArtifactStore(tmp_path)
     name = f"{spec.name}-cpu"
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, judged(spec, [first]))
+    promoted(spec, judged(spec, [first]))
     promoted_at = MlflowClient().get_model_version(name, first.model_version).tags["promoted_at"]
     second = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-2")
-    promote(spec, judged(spec, [second]))
+    promoted(spec, judged(spec, [second]))
     tags = MlflowClient().get_model_version(name, first.model_version).tags
     assert (tags["status"], tags["superseded_by"]) == ("superseded", second.model_version)
 
     again = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, judged(spec, [again]))
+    promoted(spec, judged(spec, [again]))
     assert again.status == "promoted" and again.model_version == first.model_version
     tags = MlflowClient().get_model_version(name, first.model_version).tags
     assert (tags["status"], tags["superseded_by"], tags["throughput"]) == ("promoted", "", "400")
@@ -209,7 +210,7 @@ def test_a_corrupt_or_unloadable_engine_is_never_registered_and_the_alias_stays(
     store = ArtifactStore(tmp_path)
     name = f"{spec.name}-cpu"
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, judged(spec, [first]))
+    promoted(spec, judged(spec, [first]))
 
     bad = candidate_outcome(store, spec, "int8", "cpu", throughput=900.0, variant="night-2")
     build = bad.stages["build"]
@@ -227,7 +228,7 @@ def test_a_corrupt_or_unloadable_engine_is_never_registered_and_the_alias_stays(
     else:
         logged = judged(spec, [bad])
         damage_engine()
-    promote(spec, logged)
+    promoted(spec, logged)
 
     assert bad.status == "failed" and bad.failed_stage == "register" and bad.model_version is None
     assert ("does not load" if damage.startswith("unloadable") else "sha256 differs from the build manifest") in bad.error
@@ -249,7 +250,7 @@ def test_an_engine_built_on_another_host_is_registered_only_on_that_hosts_check(
     shutil.rmtree(remote.stages["build"].path)  # the parent's host never had the build directory
     if verdict:
         tracking.record_engine_check(remote.run_id, verdict)
-    promote(spec, logged)
+    promoted(spec, logged)
 
     if verdict == "passed":
         assert remote.status == "promoted" and _alias(name) == remote.model_version
@@ -295,17 +296,17 @@ def test_a_version_is_its_engine_bytes_a_rebuild_with_other_bytes_is_a_new_one_m
     spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
     name = f"{spec.name}-cpu"
     first = candidate_outcome(ArtifactStore(tmp_path / "night-1"), spec, "int8", "cpu", throughput=400.0)
-    promote(spec, judged(spec, [first]))
+    promoted(spec, judged(spec, [first]))
     same_bytes = _rebuilt(candidate_outcome(ArtifactStore(tmp_path / "night-2"), spec, "int8", "cpu",
                                             throughput=400.0), seed=None)  # a rebuild that gave the same engine
-    promote(spec, judged(spec, [same_bytes]))
+    promoted(spec, judged(spec, [same_bytes]))
     assert same_bytes.model_version == first.model_version and _versions(name) == [first.model_version]
     assert same_bytes.decision.holds_alias and same_bytes.status == "passed"
 
     rebuilt = _rebuilt(candidate_outcome(ArtifactStore(tmp_path / "night-3"), spec, "int8", "cpu", throughput=400.0),
                        seed=7)
     assert rebuilt.cache_key == first.cache_key
-    promote(spec, judged(spec, [rebuilt], vs_champion=1.01))
+    promoted(spec, judged(spec, [rebuilt], vs_champion=1.01))
 
     assert rebuilt.model_version != first.model_version
     assert _versions(name) == sorted([first.model_version, rebuilt.model_version])
@@ -322,7 +323,7 @@ def test_a_version_is_its_engine_bytes_a_rebuild_with_other_bytes_is_a_new_one_m
 
     rebuilt_again = _rebuilt(candidate_outcome(ArtifactStore(tmp_path / "night-4"), spec, "int8", "cpu",
                                                throughput=400.0), seed=7)
-    promote(spec, judged(spec, [rebuilt_again], vs_champion=1.01))
+    promoted(spec, judged(spec, [rebuilt_again], vs_champion=1.01))
     assert rebuilt_again.model_version == rebuilt.model_version, "the same bytes never make two versions"
     assert len(_versions(name)) == 2
 
@@ -334,20 +335,20 @@ def test_the_alias_moves_only_from_the_champion_the_decision_saw(tmp_path: Path,
     store = ArtifactStore(tmp_path)
     name = f"{spec.name}-cpu"
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, judged(spec, [first]))
+    promoted(spec, judged(spec, [first]))
     late = candidate_outcome(store, spec, "int8", "cpu", throughput=600.0, variant="night-2")
     decided = judged(spec, [late])
     assert late.decision.take_alias and late.decision.champion == first.model_version
 
     if meanwhile.startswith("another run"):
         other = candidate_outcome(store, spec, "fp32", "cpu", throughput=700.0, variant="night-2-elsewhere")
-        promote(spec, judged(spec, [other]))
+        promoted(spec, judged(spec, [other]))
         assert other.status == "promoted"
         now = other.model_version
     else:
         tracking.delete_alias(name, "champion")
         now = None
-    promote(spec, decided)
+    promoted(spec, decided)
 
     assert tracking.alias_version(name, "champion") == now, "a newer state of the alias is never overwritten"
     assert late.status == "passed" and late.model_version is not None
@@ -368,7 +369,7 @@ def test_two_runs_deciding_for_the_same_engine_at_once_register_and_announce_it_
             for i in range(2)]
     decided = [judged(spec, [outcome]) for outcome in runs]
     for outcomes in decided:
-        promote(spec, outcomes)
+        promoted(spec, outcomes)
 
     assert [o.status for o in runs] == ["promoted", "passed"]
     assert runs[0].model_version == runs[1].model_version == _alias(name) and _versions(name) == [_alias(name)]
@@ -406,7 +407,7 @@ def test_two_hosts_registering_the_same_bytes_at_once_keep_one_version_and_the_o
 
     def promote_on_a_host(outcomes: list[CandidateOutcome]) -> None:
         try:
-            promote(spec, outcomes)
+            promoted(spec, outcomes)
         except BaseException as e:  # noqa: BLE001 - the test reports it
             raised.append(e)
         finally:
@@ -434,12 +435,12 @@ def test_the_accuracy_baseline_is_the_previous_version_holding_another_engine(tm
     the same bytes under a new key (a toolchain bump that changed nothing) never against themselves."""
     spec = pipeline_spec(f"promo-{uuid.uuid4().hex[:8]}")
     first = candidate_outcome(ArtifactStore(tmp_path / "night-1"), spec, "int8", "cpu", throughput=400.0)
-    promote(spec, judged(spec, [first]))
+    promoted(spec, judged(spec, [first]))
 
     rebuilt = _rebuilt(candidate_outcome(ArtifactStore(tmp_path / "night-2"), spec, "int8", "cpu", throughput=400.0),
                        seed=7)
     assert rebuilt.cache_key == first.cache_key
-    found = tracking.previous_version(spec, "cpu", "int8", rebuilt.stages["build"], eval_text=None)
+    found = tracking.previous_version(RegistrySettings.of(spec), "cpu", "int8", rebuilt.stages["build"], eval_text=None)
     assert found is not None and found["version"] == first.model_version, found
     assert found["metrics"]["accuracy.cosine_mean"] == 0.9988
 
@@ -448,4 +449,5 @@ def test_the_accuracy_baseline_is_the_previous_version_holding_another_engine(tm
                           seed=int(first.cache_key[:8], 16))  # the seed candidate_outcome gave the first engine
     assert same_bytes.cache_key != first.cache_key
     assert tracking.engine_identity(same_bytes.stages["build"]) == tracking.engine_identity(first.stages["build"])
-    assert tracking.previous_version(spec, "cpu", "int8", same_bytes.stages["build"], eval_text=None) is None
+    assert tracking.previous_version(RegistrySettings.of(spec), "cpu", "int8", same_bytes.stages["build"],
+                                     eval_text=None) is None

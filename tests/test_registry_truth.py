@@ -13,14 +13,14 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tasks.config.settings import RegistrySettings
 from tasks.config.spec import PipelineSpec
-from tasks.judge.promote import promote
 from tasks.outcome import CandidateOutcome
 from tasks.registry import tracking
 from tasks.runtime.store import ArtifactStore
 from tasks.stages.accuracy import eval_data
 from tests.fixtures.candidates import _point, candidate_outcome, pipeline_spec
-from tests.fixtures.judged import judged
+from tests.fixtures.judged import judged, promoted
 
 pytestmark = pytest.mark.usefixtures("mlflow_server")
 
@@ -43,16 +43,16 @@ def test_a_replaced_measurement_updates_the_versions_tags_description_and_card(t
     store = ArtifactStore(tmp_path)
     name = f"{spec.name}-cpu"
     earlier = candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0)
-    promote(spec, judged(spec, [earlier]))
+    promoted(spec, judged(spec, [earlier]))
     first = candidate_outcome(store, spec, "int8", "cpu", throughput=400.0)
-    promote(spec, judged(spec, [first], vs_champion=1.3))  # promoted over `earlier`: its tags say vs_champion
+    promoted(spec, judged(spec, [first], vs_champion=1.3))  # promoted over `earlier`: its tags say vs_champion
     client = MlflowClient()
     tags = client.get_model_version(name, first.model_version).tags
     assert (tags["throughput"], tags["vs_champion"], tags[tracking.MEASURED_CONTENDED]) == ("400", "1.3", "false")
     first_measured = tags[tracking.MEASURED_AT]
 
     quieter = _remeasured(store, spec, first, throughput=480.0, cpu_share=0.02)
-    promote(spec, judged(spec, [quieter]))
+    promoted(spec, judged(spec, [quieter]))
     assert quieter.model_version == first.model_version and quieter.decision.holds_alias
 
     version = client.get_model_version(name, first.model_version)
@@ -69,7 +69,7 @@ def test_a_replaced_measurement_updates_the_versions_tags_description_and_card(t
     assert "| throughput | 480 |" in card and f"Measured {measured_at}" in card and "| throughput | 400 |" not in card
     assert card.startswith(f"# {first.candidate.name}") and "## Identity" in card, "only the metric section changed"
 
-    promote(spec, judged(spec, [first]))  # another host still reading the older measurement
+    promoted(spec, judged(spec, [first]))  # another host still reading the older measurement
     assert client.get_model_version(name, first.model_version).tags["throughput"] == "480"
 
 
@@ -82,8 +82,8 @@ def test_the_champion_says_which_model_files_its_engine_was_built_from(tmp_path:
     with store.writing(spec.name, "export", outcome.stages["build"].key) as w:
         w.outputs.update({"model_source": "c" * 64})
     outcome.stages["export"] = w.result
-    promote(spec, judged(spec, [outcome]))
-    assert outcome.status == "promoted" and tracking.champion(spec, "cpu").model_source == "c" * 64
+    promoted(spec, judged(spec, [outcome]))
+    assert outcome.status == "promoted" and tracking.champion(RegistrySettings.of(spec), "cpu").model_source == "c" * 64
 
 
 def _measured_on(outcome: CandidateOutcome, text: str) -> CandidateOutcome:
@@ -101,13 +101,13 @@ def test_accuracy_regressions_are_judged_against_a_version_measured_on_todays_ev
     store = ArtifactStore(tmp_path)
     today, other = eval_data(spec.resolve(spec.accuracy.data), spec.accuracy.samples), "0" * 64 + ":8"
     same = _measured_on(candidate_outcome(store, spec, "fp32", "cpu", throughput=300.0), today)
-    promote(spec, judged(spec, [same]))
-    promote(spec, judged(spec, [_measured_on(candidate_outcome(store, spec, "fp32", "cpu", throughput=320.0), other)]))
-    found = tracking.previous_version(spec, "cpu", "fp32", engine=None, eval_text=today)
+    promoted(spec, judged(spec, [same]))
+    promoted(spec, judged(spec, [_measured_on(candidate_outcome(store, spec, "fp32", "cpu", throughput=320.0), other)]))
+    found = tracking.previous_version(RegistrySettings.of(spec), "cpu", "fp32", engine=None, eval_text=today)
     assert found["version"] == same.model_version and found["metrics"]["accuracy.cosine_mean"] == 0.9988
     int8 = _measured_on(candidate_outcome(store, spec, "int8", "cpu", throughput=500.0), other)
-    promote(spec, judged(spec, [int8]))
-    assert tracking.previous_version(spec, "cpu", "int8", engine=None, eval_text=today) == {
+    promoted(spec, judged(spec, [int8]))
+    assert tracking.previous_version(RegistrySettings.of(spec), "cpu", "int8", engine=None, eval_text=today) == {
         "version": int8.model_version, "other_data": True}
 
 

@@ -215,9 +215,9 @@ def test_judging_stages_that_read_each_other_in_a_circle_are_refused() -> None:
     def keep(judging, node):
         return judging
 
-    first = Judge("first", "pipeline", ("second",), keep, lambda spec: "")
-    second = Judge("second", "pipeline", ("gate",), keep, lambda spec: "", before=("first", "decide"))
+    first = Judge("first", "pipeline", ("second",), keep, lambda registry: "")
+    second = Judge("second", "pipeline", ("gate",), keep, lambda registry: "", before=("first", "decide"))
     ordered = [j.stage for j in in_running_order((*JUDGES, first, second))]
     assert ordered.index("second") < ordered.index("first") and ordered.index("second") < ordered.index("decide")
     with pytest.raises(ValueError, match="circle: .*first, second"):
-        in_running_order((*JUDGES, first, Judge("second", "pipeline", ("first",), keep, lambda spec: "")))
+        in_running_order((*JUDGES, first, Judge("second", "pipeline", ("first",), keep, lambda registry: "")))

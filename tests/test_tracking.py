@@ -13,6 +13,7 @@ import onnxruntime
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tasks.config.settings import RegistrySettings, RunSettings
 from tasks.outcome import Decision, GateResult
 from tasks.registry import tracking
 from tasks.runtime.store import ArtifactStore
@@ -36,7 +37,7 @@ def test_candidate_run_nests_under_pipeline_run_with_its_tags_params_metrics_and
     spec = pipeline_spec(_unique("track"))
     outcome = candidate_outcome(ArtifactStore(tmp_path / "artifacts"), spec, "int8", "cpu", throughput=400.0)
     with tracking.pipeline_run(spec, "nightly-1", {"trigger": "schedule"}) as parent_id:
-        child_id = tracking.log_candidate(parent_id, spec, outcome)
+        child_id = tracking.log_candidate(parent_id, RunSettings.of(spec), outcome)
 
     client = MlflowClient()
     parent, child = client.get_run(parent_id), client.get_run(child_id)
@@ -88,8 +89,9 @@ def test_metric_names_line_up_across_candidates(tmp_path: Path) -> None:
     spec = pipeline_spec(_unique("track"))
     store = ArtifactStore(tmp_path)
     with tracking.pipeline_run(spec, "run", {}) as parent_id:
-        cpu = tracking.log_candidate(parent_id, spec, candidate_outcome(store, spec, "int8", "cpu", throughput=400.0))
-        gpu = tracking.log_candidate(parent_id, spec, candidate_outcome(store, spec, "fp32", "sm90", throughput=900.0))
+        record = RunSettings.of(spec)
+        cpu = tracking.log_candidate(parent_id, record, candidate_outcome(store, spec, "int8", "cpu", throughput=400.0))
+        gpu = tracking.log_candidate(parent_id, record, candidate_outcome(store, spec, "fp32", "sm90", throughput=900.0))
     client = MlflowClient()
     assert set(client.get_run(cpu).data.metrics) == set(client.get_run(gpu).data.metrics)
     assert client.get_run(gpu).data.tags["arch"] == "sm90"
@@ -101,8 +103,8 @@ def test_rejected_and_failed_candidates_are_logged_with_reasons(tmp_path: Path) 
     rejected = candidate_outcome(store, spec, "fp32", "cpu", throughput=100.0, passed=False)
     failed = failed_outcome(store, spec, "int8", "cpu")
     with tracking.pipeline_run(spec, "run", {}) as parent_id:
-        rejected_id = tracking.log_candidate(parent_id, spec, rejected)
-        failed_id = tracking.log_candidate(parent_id, spec, failed)
+        rejected_id = tracking.log_candidate(parent_id, RunSettings.of(spec), rejected)
+        failed_id = tracking.log_candidate(parent_id, RunSettings.of(spec), failed)
     client = MlflowClient()
     assert client.get_run(rejected_id).data.tags["gate"] == "failed"
     assert client.get_run(rejected_id).data.tags["gate_reasons"] == "performance: p99_ms: 80 > max 50"
@@ -125,9 +127,9 @@ def test_a_candidate_timed_on_a_busy_machine_is_pending_not_a_gate_failure(tmp_p
     outcome.gates = [GateResult("accuracy", True), GateResult("performance", False, (f"inconclusive: {busy}",),
                                                               inconclusive=True)]
     with tracking.pipeline_run(spec, "nightly-1", {}) as parent_id:
-        child_id = tracking.log_candidate(parent_id, spec, outcome)
+        child_id = tracking.log_candidate(parent_id, RunSettings.of(spec), outcome)
         tracking.record_gates(child_id, outcome)
-        tracking.finish_candidate(child_id, spec, outcome)
+        tracking.finish_candidate(child_id, RunSettings.of(spec), outcome)
         tracking.describe_pipeline_run(parent_id, [outcome])
 
     client = MlflowClient()
@@ -145,7 +147,7 @@ def test_a_cached_engine_already_uploaded_by_an_earlier_run_is_not_uploaded_agai
     runs = []
     for _ in range(3):
         with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
-            runs.append(tracking.log_candidate(parent_id, spec, first))
+            runs.append(tracking.log_candidate(parent_id, RunSettings.of(spec), first))
     client = MlflowClient()
     assert any(f.startswith("engine/") for f in _artifact_files(client, runs[0]))
     for later in runs[1:]:
@@ -162,7 +164,7 @@ def test_a_cached_engine_already_uploaded_by_an_earlier_run_is_not_uploaded_agai
                               variant="rebuilt")
     other.stages["build"] = dataclasses.replace(other.stages["build"], cached=True)
     with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
-        rebuilt = tracking.log_candidate(parent_id, spec, other)
+        rebuilt = tracking.log_candidate(parent_id, RunSettings.of(spec), other)
     assert any(f.startswith("engine/") for f in _artifact_files(client, rebuilt)), "another engine is uploaded"
 
 
@@ -175,4 +177,4 @@ def test_pipeline_run_is_marked_failed_when_the_flow_raises() -> None:
 
 
 def test_no_champion_before_any_promotion() -> None:
-    assert tracking.champion(pipeline_spec(_unique("track")), "cpu") is None
+    assert tracking.champion(RegistrySettings.of(pipeline_spec(_unique("track"))), "cpu") is None

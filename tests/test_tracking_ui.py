@@ -11,6 +11,7 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tasks.config.settings import RunSettings
 from tasks.config.spec import registered_model_name
 from tasks.outcome import CandidateOutcome, Decision
 from tasks.registry import tracking
@@ -38,7 +39,7 @@ def test_candidate_run_spans_its_work_and_leads_with_headline_metrics(tmp_path: 
     store = ArtifactStore(tmp_path / "artifacts")
     outcome = with_export(store, candidate_outcome(store, spec, "fp32", "cpu", throughput=400.0))
     with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
-        child_id = tracking.log_candidate(parent_id, spec, outcome)
+        child_id = tracking.log_candidate(parent_id, RunSettings.of(spec), outcome)
     child = MlflowClient().get_run(child_id)
 
     first_start = min(s.manifest["created_unix"] - s.manifest["seconds"] for s in outcome.stages.values())
@@ -59,7 +60,7 @@ def test_model_version_carries_the_engine_signature(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path / "artifacts")
     outcome = with_export(store, candidate_outcome(store, spec, "int8", "cpu", throughput=300.0))
     with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
-        child_id = tracking.log_candidate(parent_id, spec, outcome)
+        child_id = tracking.log_candidate(parent_id, RunSettings.of(spec), outcome)
     name = registered_model_name(spec.name, "cpu")
     tracking.ensure_registered_model(name, "engines", {})
     version = tracking.create_version(name, child_id, {"candidate": outcome.candidate.name})
@@ -82,7 +83,7 @@ def test_unchanged_rerun_says_nothing_was_rebuilt_and_the_parent_run_summarises_
     broken = failed_outcome(store, spec, "fp32", "sm90")
     broken.stages = {name: dataclasses.replace(stage, cached=True) for name, stage in broken.stages.items()}
     with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
-        child_id = tracking.log_candidate(parent_id, spec, kept)
+        child_id = tracking.log_candidate(parent_id, RunSettings.of(spec), kept)
         tracking.describe_pipeline_run(parent_id, [kept, rejected, broken])
 
     client = MlflowClient()
@@ -107,8 +108,8 @@ def test_experiment_opens_on_runs_and_a_child_run_says_its_status_and_why(tmp_pa
     client = MlflowClient()
     client.create_experiment(tracking.experiment_name(spec.name))  # as an older smelter made it: no kind
     with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
-        child_id = tracking.log_candidate(parent_id, spec, rejected)
-        tracking.finish_candidate(child_id, spec, rejected)
+        child_id = tracking.log_candidate(parent_id, RunSettings.of(spec), rejected)
+        tracking.finish_candidate(child_id, RunSettings.of(spec), rejected)
 
     experiment = client.get_experiment_by_name(tracking.experiment_name(spec.name))
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development", "not the GenAI traces page"
@@ -124,7 +125,7 @@ def test_comparison_table_leads_with_what_the_decision_reads(tmp_path: Path) -> 
            "ratio": 1.31, "ci_low": 1.2, "ci_high": 1.4, "half_width": 0.08, "rounds": 12, "conclusive": True}
     outcome.stages["benchmark"].outputs["comparisons"] = [dict(sorted(row.items()))]  # as a manifest reads back
     with tracking.pipeline_run(spec, "nightly", {}) as parent_id:
-        child_id = tracking.log_candidate(parent_id, spec, outcome)
+        child_id = tracking.log_candidate(parent_id, RunSettings.of(spec), outcome)
 
     table = mlflow.artifacts.load_dict(f"runs:/{child_id}/tables/comparisons.json")
     assert table["columns"][:6] == ["engine", "versus", "ratio", "ci_low", "ci_high", "conclusive"]

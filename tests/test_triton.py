@@ -86,9 +86,8 @@ def test_latency_slo_comes_from_the_p99_gate():
                         profiles=[{"batch": [1, 8, 32], "seq": [1, 128, 512]}], precisions=["fp16"],
                         targets=[{"name": "sm90", "backend": "tensorrt", "arch": "sm90"}],
                         performance={"gates": {"p99_ms": {"max": 50}}})
-    assert serving.latency_slo_ms(spec) == 50
-    assert serving.latency_slo_ms(spec.model_copy(update={"performance": spec.performance.model_copy(
-        update={"gates": {}})})) is None
+    assert serving.latency_slo_ms(spec.performance.gates) == 50
+    assert serving.latency_slo_ms({}) is None
 
 
 def _promoted(tmp_path, precision, target, engine, backend="tensorrt", status="promoted"):
@@ -117,7 +116,8 @@ def test_promoted_engines_of_one_run_are_packaged_together(tmp_path):
                 _promoted(tmp_path, "fp16", "sm80", _engine_dir(tmp_path, "sm80", "8.0")),
                 _promoted(tmp_path, "fp16", "cpu", _engine_dir(tmp_path, "cpu", "0.0"), backend="onnxruntime"),
                 _promoted(tmp_path, "int8", "sm90x", _engine_dir(tmp_path, "sm90x", "9.0"), status="rejected")]
-    packages = serving.package_promoted(spec, outcomes, tmp_path / "repo")
+    packages = serving.package_promoted(spec.name, serving.latency_slo_ms(spec.performance.gates), outcomes,
+                                       tmp_path / "repo")
     assert set(packages) == {"run-fp16-sm90", "run-fp16-sm80"}
     entry = packages["run-fp16-sm80"]
     assert (entry / "4" / "model.plan").read_bytes() == b"plan for sm80"

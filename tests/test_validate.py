@@ -11,6 +11,7 @@ import pytest
 from onnx import numpy_helper
 
 from tasks.config import spec as spec_module
+from tasks.config.stage_settings import ExportConfig, ValidateConfig
 from tasks.runtime.store import ArtifactStore, StageResult
 from tasks.stages.export import run_export
 from tasks.stages.validate import ValidationFailed, run_validate, validate_key
@@ -21,7 +22,7 @@ POINTS = ("min", "opt", "max")
 def _exported(pipelines_path):
     spec = spec_module.load(pipelines_path).pipelines["tiny"]
     store = ArtifactStore(spec.base_dir / "artifacts")
-    return spec, store, run_export(spec, store)
+    return spec, store, run_export(ExportConfig.of(spec), store)
 
 
 def _edited_export(export: StageResult, tmp_path, initializer: str, edit) -> StageResult:
@@ -39,7 +40,7 @@ def test_good_encoder_export_passes_at_min_opt_max(tiny_bert_dir, pipeline_facto
     spec, store, export = _exported(pipeline_factory(
         tiny_bert_dir, "feature-extraction",
         validation={"outputs": {"last_hidden_state": {"atol": 2e-4, "rtol": 2e-3}}}))
-    result = run_validate(spec, export, store)
+    result = run_validate(ValidateConfig.of(spec), export, store)
     outputs = result.outputs
     assert outputs["passed"] is True
     assert outputs["nan_inf"] == []
@@ -58,16 +59,16 @@ def test_good_encoder_export_passes_at_min_opt_max(tiny_bert_dir, pipeline_facto
 
 def test_second_validate_is_cached_and_key_follows_tolerances(tiny_bert_dir, pipeline_factory):
     spec, store, export = _exported(pipeline_factory(tiny_bert_dir, "feature-extraction"))
-    first = run_validate(spec, export, store)
-    again = run_validate(spec, export, store)
+    first = run_validate(ValidateConfig.of(spec), export, store)
+    again = run_validate(ValidateConfig.of(spec), export, store)
     assert again.cached and again.key == first.key
     looser = spec.model_copy(update={"validation": spec.validation.model_copy(update={"atol": 1e-3})})
-    assert validate_key(export, looser) != first.key
+    assert validate_key(ValidateConfig.of(looser), export) != first.key
 
 
 def test_decoder_with_past_compares_logits_and_kv_cache(tiny_llama_dir, pipeline_factory):
     spec, store, export = _exported(pipeline_factory(tiny_llama_dir, "text-generation-with-past"))
-    outputs = run_validate(spec, export, store).outputs
+    outputs = run_validate(ValidateConfig.of(spec), export, store).outputs
     assert outputs["passed"] is True
     assert outputs["points"]["max"] == {"batch": 3, "seq": 16, "past": 24}
     assert outputs["points"]["prefill"] == {"batch": 2, "seq": 16, "past": 0}, "the empty-past step is checked"
@@ -80,7 +81,7 @@ def test_corrupted_graph_fails_naming_output_and_statistics(tiny_bert_dir, pipel
     spec, store, export = _exported(pipeline_factory(tiny_bert_dir, "feature-extraction"))
     broken = _edited_export(export, tmp_path, "embeddings.LayerNorm.bias", lambda bias: bias + 0.05)
     with pytest.raises(ValidationFailed) as failed:
-        run_validate(spec, broken, store)
+        run_validate(ValidateConfig.of(spec), broken, store)
     message = str(failed.value)
     assert "'last_hidden_state' at min shape {'batch': 1, 'seq': 8}" in message
     assert "max_abs" in message and "mean_abs" in message and "max_rel" in message and "atol 0.0001" in message
@@ -92,4 +93,4 @@ def test_nan_output_is_detected(tiny_bert_dir, pipeline_factory, tmp_path):
     spec, store, export = _exported(pipeline_factory(tiny_bert_dir, "feature-extraction"))
     broken = _edited_export(export, tmp_path, "embeddings.LayerNorm.weight", lambda w: np.full_like(w, np.nan))
     with pytest.raises(ValidationFailed, match=r"last_hidden_state at max \(onnxruntime\): NaN or Inf"):
-        run_validate(spec, broken, store)
+        run_validate(ValidateConfig.of(spec), broken, store)

@@ -69,6 +69,11 @@ class ModelSpec(_Strict):
     def has_past(self) -> bool:
         return self.task in KV_CACHE_TASKS
 
+    @property
+    def named(self) -> str:
+        """The model as MLflow tags and registry descriptions name it: its hub id, else its path as written."""
+        return self.id or self.path or ""
+
 
 class ExportSpec(_Strict):
     opset: int = Field(18, ge=14, le=23, description="ONNX opset (18 is the lowest Optimum recommends for Llama)")
@@ -419,9 +424,7 @@ class PipelineSpec(_Strict):
         return next(t for t in self.targets if t.name == name)
 
     def calibrated(self, candidate: Candidate) -> bool:
-        """Whether this candidate's engine is calibrated on calibration.data: int8 graphs, or a target
-        calibrating its own build."""
-        return candidate.precision == "int8" or self.target(candidate.target).calibrates(candidate.precision)
+        return calibrated(self.target(candidate.target), candidate.precision)
 
     def calibrates(self) -> bool:
         return any(self.calibrated(c) for c in self.candidates())
@@ -461,6 +464,12 @@ class PipelinesFile(_Strict):
     warnings: list[str] = Field(default_factory=list)
     allow_outside_paths: bool = False
     fleet: FleetSpec = FleetSpec()
+
+
+def calibrated(target: TargetSpec, precision: str) -> bool:
+    """Whether an engine of `precision` for `target` is calibrated on calibration.data: int8 graphs, or a target
+    calibrating its own build."""
+    return precision == "int8" or target.calibrates(precision)
 
 
 def registered_model_name(pipeline: str, target: str) -> str:

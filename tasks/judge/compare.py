@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.config.spec import (PipelinesFile, PipelineSpec, SpecError, is_decode_point, point_words,
-                               registered_model_name)
+from tasks.config.spec import PipelinesFile, SpecError, is_decode_point, point_words, registered_model_name
+from tasks.config.stage_settings import BenchmarkConfig
 from tasks.measure.hostload import LoadWatch
 from tasks.measure.rounds import Contender, measure_rounds
 from tasks.measure.stats import METHOD, MIN_ROUNDS, Ratio
@@ -23,20 +23,25 @@ from tasks.stages.benchmark import benchmark_threads, engine_timer, fed_shape, p
 from tasks.stages.build import open_engine
 from tasks.stages.champion import champion_build
 from tasks.stages.inputs import point_feeds, read_texts
-from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.models import load_reference, load_tokenizer
 
 
 @dataclass(frozen=True)
 class ComparedModel:
-    spec: PipelineSpec
-    target: str
+    """A registered model of the file, with what timing its versions reads: the benchmark settings of its target."""
+
+    config: BenchmarkConfig
     file: Path  # the pipelines file that says so, for messages
+
+    @property
+    def name(self) -> str:
+        return registered_model_name(self.config.source.pipeline, self.config.target.name)
 
 
 def find_registered_model(specs: PipelinesFile, registered_model: str) -> ComparedModel:
     """The (pipeline, target) whose registered model this is; a name no pipeline owns is a usage error."""
-    owners = [ComparedModel(spec, t.name, specs.path) for spec in specs.pipelines.values() for t in spec.targets
-              if registered_model_name(spec.name, t.name) == registered_model]
+    owners = [ComparedModel(BenchmarkConfig.of(spec, t.name), specs.path) for spec in specs.pipelines.values()
+              for t in spec.targets if registered_model_name(spec.name, t.name) == registered_model]
     if not owners:
         known = sorted(registered_model_name(s.name, t.name) for s in specs.pipelines.values() for t in s.targets)
         raise SpecError([f"{specs.path}: compare {registered_model}: no pipeline and target of this file register "
@@ -48,10 +53,10 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
                      batch: int | None = None, seq: int | None = None) -> dict[str, Any]:
     """How many times faster version_b is than version_a at (batch, seq), or at the gate point's decode step when it
     is one and no seq is given, with its 95% interval."""
-    spec, name = owner.spec, registered_model_name(owner.spec.name, owner.target)
-    step, point = compared_point(spec, batch, seq)
+    config, name = owner.config, owner.name
+    step, point = compared_point(config, batch, seq)
     _check_inside_profiles(owner, point)
-    threads = benchmark_threads(spec.benchmark, spec.target(owner.target).intra_op_threads)
+    threads = benchmark_threads(config.settings, config.target.intra_op_threads)
     builds = {}  # labelled a and b, so a version compared with itself (the noise floor) is timed twice
     for label, version in (("a", version_a), ("b", version_b)):
         found = tracking.find_version(name, version)
@@ -61,14 +66,13 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
                 raise SpecError([f"compare: {name} is not a registered model in the registry at {where} (a "
                                  f"pipeline's model is registered when one of its candidates first passes every gate)"])
             raise SpecError([f"compare: {name} has no version {version!r} in the registry at {where}"])
-        builds[label] = champion_build(spec, tracking.as_champion(name, found), store)
-    runners = {label: open_engine(spec.targets, build, threads=threads) for label, build in builds.items()}
+        builds[label] = champion_build(config.source.pipeline, tracking.as_champion(name, found), store)
+    runners = {label: open_engine(config.targets, build, threads=threads) for label, build in builds.items()}
     try:
         names = sorted({n for r in runners.values() for n in r.input_names})
-        model = ModelSource.of(spec)
-        feeds = point_feeds(spec.model, load_tokenizer(model), load_reference(model),
-                            read_texts(spec.resolve(spec.accuracy.data)), point, names)
-        settings = spec.benchmark
+        feeds = point_feeds(config.source.model, load_tokenizer(config.source), load_reference(config.source),
+                            read_texts(config.data_path), point, names)
+        settings = config.settings
         with LoadWatch(settings.contended_above) as load:
             rounds = measure_rounds([Contender(label, engine_timer(runner, feeds)) for label, runner in runners.items()],
                                     [("a", "b")], warmup=settings.warmup, min_rounds=settings.min_rounds,
@@ -88,21 +92,22 @@ def compare_versions(owner: ComparedModel, version_a: str, version_b: str, store
             "host": load.as_dict()}
 
 
-def compared_point(spec: PipelineSpec, batch: int | None, seq: int | None) -> tuple[dict[str, int], dict[str, int]]:
+def compared_point(config: BenchmarkConfig, batch: int | None, seq: int | None
+                   ) -> tuple[dict[str, int], dict[str, int]]:
     """(the point as the user names it, the shape the engines are fed): a prefill of `seq` tokens, else the gate
     point, which for a decoder may be a decode step ({batch, past}: one new token after `past`)."""
-    at = spec.gate_point
+    at, model = config.gate_point, config.source.model
     if seq is None and is_decode_point(at):
         step = {"batch": batch or at["batch"], "past": at["past"]}
-        return step, fed_shape(spec.model, step["batch"], 1, step["past"])
+        return step, fed_shape(model, step["batch"], 1, step["past"])
     step = {"batch": batch or at["batch"], "seq": seq or at["seq"]}
-    return step, step | {"past": prefill_past(spec.model, spec.profiles)}
+    return step, step | {"past": prefill_past(model, config.profiles)}
 
 
 def _check_inside_profiles(owner: ComparedModel, point: dict[str, int]) -> None:
     """A shape no profile of the pipeline holds is refused before any engine loads: an engine asked to run
     outside its profiles fails, or (beyond the model's positions) runs the machine out of memory trying."""
-    spec = owner.spec
+    profiles, pipeline = owner.config.profiles, owner.config.source.pipeline
 
     def dims(profile: Any) -> list[str]:
         return [dim for dim in ("batch", "seq", "past") if getattr(profile, dim) is not None and dim in point]
@@ -110,11 +115,11 @@ def _check_inside_profiles(owner: ComparedModel, point: dict[str, int]) -> None:
     def holds(profile: Any) -> bool:
         return all(getattr(profile, dim)[0] <= point[dim] <= getattr(profile, dim)[2] for dim in dims(profile))
 
-    if not any(holds(p) for p in spec.profiles):
+    if not any(holds(p) for p in profiles):
         ranges = "; ".join(" x ".join(f"{dim} {getattr(p, dim)[0]}-{getattr(p, dim)[2]}" for dim in dims(p))
-                           for p in spec.profiles)
-        shown = " x ".join(f"{dim} {point[dim]}" for dim in dict.fromkeys(d for p in spec.profiles for d in dims(p)))
-        raise SpecError([f"{owner.file}: compare at {shown}: outside every profile of pipeline {spec.name} "
+                           for p in profiles)
+        shown = " x ".join(f"{dim} {point[dim]}" for dim in dict.fromkeys(d for p in profiles for d in dims(p)))
+        raise SpecError([f"{owner.file}: compare at {shown}: outside every profile of pipeline {pipeline} "
                          f"({ranges}); pick --batch and --seq inside one"])
 
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.config.spec import PipelineSpec, at_point
+from tasks.config.settings import DecisionSettings
+from tasks.config.spec import at_point
 from tasks.outcome import CandidateOutcome, Champion, Decision
 from tasks.stages.champion import built_from, same_engine, says_cannot_run_here
 
@@ -120,17 +121,17 @@ def _comparison(outcome: CandidateOutcome, champion: Champion) -> dict[str, Any]
             "conclusive": bool(point["vs_champion_conclusive"])}
 
 
-def _verdict(spec: PipelineSpec, comparison: dict[str, Any]) -> tuple[bool, str]:
+def _verdict(settings: DecisionSettings, comparison: dict[str, Any]) -> tuple[bool, str]:
     """(beats the champion enough to take the alias, the sentence that says so or why not)."""
     ratio, (low, high) = comparison["ratio"], comparison["ci"]
-    needed = 1 + spec.performance.min_improvement
+    needed = 1 + settings.min_improvement
     shown = f"{ratio:.3g}x [{low:.3g}, {high:.3g}] vs champion v{comparison['version']}"
     if high < 1:
         return False, f"slower: {shown} (a significant regression: the interval is below 1)"
     if not comparison["conclusive"]:
         half = (high - low) / (2 * ratio)
         return False, (f"inconclusive: {shown}, interval ±{half:.1%} is wider than benchmark.precision "
-                       f"±{spec.benchmark.precision:.0%}")
+                       f"±{settings.precision:.0%}")
     if low > 1 and ratio >= needed:
         return True, f"faster: {shown} (needs ≥ {needed:.3g}x with the interval above 1)"
     return False, f"not significant: {shown} (needs ≥ {needed:.3g}x with the interval above 1)"
@@ -160,7 +161,7 @@ def _outside_reason(outcome: CandidateOutcome) -> str:
     return "; ".join(outcome.gate_reasons) or "rejected"
 
 
-def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion: Champion | None) -> None:
+def decide_target(settings: DecisionSettings, outcomes: list[CandidateOutcome], champion: Champion | None) -> None:
     """Set `decision` on every candidate of one target."""
     pending = [o for o in outcomes if _hold_pending(o)]
     passing = [o for o in outcomes if o.passed_gates]
@@ -239,7 +240,7 @@ def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion
             for outcome in passing:
                 decide(outcome, f"{why}: nothing moves")
         return
-    verdicts = {o.candidate.name: _verdict(spec, c) for o in passing if (c := comparisons.get(o.candidate.name))}
+    verdicts = {o.candidate.name: _verdict(settings, c) for o in passing if (c := comparisons.get(o.candidate.name))}
     taker = best if verdicts.get(best.candidate.name, (False,))[0] else None
     for outcome in passing:
         if outcome is taker:
@@ -254,11 +255,11 @@ def decide_target(spec: PipelineSpec, outcomes: list[CandidateOutcome], champion
             decide(outcome, f"{sentence}; {best.candidate.name} is faster" if beats else sentence)
 
 
-def decide(spec: PipelineSpec, outcomes: list[CandidateOutcome],
+def decide(settings: DecisionSettings, outcomes: list[CandidateOutcome],
            champions: dict[str, Champion | None]) -> list[CandidateOutcome]:
     """Set `decision` on every candidate, target by target; at most one per target takes the alias."""
-    for target in spec.targets:
-        mine = [o for o in outcomes if o.candidate.target == target.name]
+    for target in settings.targets:
+        mine = [o for o in outcomes if o.candidate.target == target]
         if mine:
-            decide_target(spec, mine, champions.get(target.name))
+            decide_target(settings, mine, champions.get(target))
     return outcomes

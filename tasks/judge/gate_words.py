@@ -3,18 +3,19 @@ figure labels a rejected bar with and what the parent run's table says, so both 
 
 from __future__ import annotations
 
-from tasks.config.spec import PipelineSpec, Threshold
+from tasks.config.settings import GateSettings
+from tasks.config.spec import Threshold
 from tasks.outcome import CandidateOutcome
 
 RATIO = "speedup_vs_reference"
 
 
-def gated_figures(spec: PipelineSpec) -> dict[str, Threshold | None]:
+def gated_figures(gates: GateSettings) -> dict[str, Threshold | None]:
     """Every figure a bound of the file decides on, named as in the candidate's metrics, speed first (shown
     even without a bound: it is what the run measured against PyTorch)."""
-    figures: dict[str, Threshold | None] = {RATIO: spec.performance.gates.get(RATIO)}
-    figures |= {metric: bound for metric, bound in spec.performance.gates.items() if metric != RATIO}
-    figures |= {f"accuracy.{metric}": bound for metric, bound in spec.accuracy.gates.items()}
+    figures: dict[str, Threshold | None] = {RATIO: gates.performance.get(RATIO)}
+    figures |= {metric: bound for metric, bound in gates.performance.items() if metric != RATIO}
+    figures |= {f"accuracy.{metric}": bound for metric, bound in gates.accuracy.items()}
     return figures
 
 
@@ -23,10 +24,10 @@ def short_name(metric: str) -> str:
     return "speedup" if metric == RATIO else metric.removeprefix("accuracy.")
 
 
-def missed_gates(spec: PipelineSpec, outcome: CandidateOutcome) -> list[str]:
+def missed_gates(gates: GateSettings, outcome: CandidateOutcome) -> list[str]:
     """Why a rejected candidate was rejected, a word per gate: each bound its figure misses (or a figure not
     measured), then any other failed gate by its name (validity, regression)."""
-    words = [short_name(metric) for metric, bound in gated_figures(spec).items()
+    words = [short_name(metric) for metric, bound in gated_figures(gates).items()
              if bound is not None and misses(bound, outcome.metrics.get(metric))]
     named = {"accuracy", "performance"} if words else set()
     words += [g.gate for g in outcome.gates if not g.passed and not g.inconclusive and g.gate not in named]

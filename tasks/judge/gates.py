@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tasks.config.spec import PipelineSpec, Threshold
+from tasks.config.settings import GateSettings
+from tasks.config.spec import Threshold
 from tasks.metrics import HIGHER_IS_BETTER
 from tasks.outcome import GateResult
 
@@ -34,14 +35,14 @@ def _check(name: str, thresholds: dict[str, Threshold], values: dict[str, float]
     return GateResult(name, not reasons, tuple(reasons))
 
 
-def performance_gate(spec: PipelineSpec, metrics: dict[str, float]) -> GateResult:
+def performance_gate(thresholds: dict[str, Threshold], metrics: dict[str, float]) -> GateResult:
     """The `performance.gates` thresholds, or inconclusive when the measurement was contended: a busy
     machine neither fails nor passes a candidate on speed (nor crowns one: tasks/judge/decide.py)."""
     if metrics.get("host.contended"):
         share = metrics.get("host.foreign_cpu_share", float("nan"))
         return GateResult("performance", False, (f"inconclusive: machine busy (other processes used {share:.0%} of "
                                                  "the CPU while it was timed); speed not judged",), inconclusive=True)
-    return _check("performance", spec.performance.gates, metrics)
+    return _check("performance", thresholds, metrics)
 
 
 def validity_gate(validity: dict[str, Any] | None) -> GateResult:
@@ -56,7 +57,7 @@ def validity_gate(validity: dict[str, Any] | None) -> GateResult:
     return GateResult("validity", not reasons, tuple(reasons))
 
 
-def regression_gate(spec: PipelineSpec, metrics: dict[str, float], previous: dict[str, Any] | None) -> GateResult:
+def regression_gate(settings: GateSettings, metrics: dict[str, float], previous: dict[str, Any] | None) -> GateResult:
     """No gated accuracy metric worse than the previous version of the same precision beyond the tolerance.
 
     The tolerance is relative to the previous value; for errors (lower is better) below 1 it is
@@ -70,9 +71,9 @@ def regression_gate(spec: PipelineSpec, metrics: dict[str, float], previous: dic
     if previous.get("other_data"):
         return GateResult("regression", True, (
             f"not compared: v{previous['version']} of the same precision, and every earlier one, was measured on "
-            f"other eval data ({spec.accuracy.data} or accuracy.samples changed since)",))
-    theirs, tolerance, reasons = previous.get("metrics", {}), spec.accuracy.regression_tolerance, []
-    for metric in spec.accuracy.gates:
+            f"other eval data ({settings.eval_data} or accuracy.samples changed since)",))
+    theirs, tolerance, reasons = previous.get("metrics", {}), settings.regression_tolerance, []
+    for metric in settings.accuracy:
         best = theirs.get(f"accuracy.{metric}")
         if best is None or not math.isfinite(best):
             continue
@@ -90,10 +91,11 @@ def regression_gate(spec: PipelineSpec, metrics: dict[str, float], previous: dic
     return GateResult("regression", not reasons, tuple(reasons))
 
 
-def accuracy_gate(spec: PipelineSpec, values: dict[str, float], validity: dict[str, Any] | None) -> GateResult:
+def accuracy_gate(thresholds: dict[str, Threshold], values: dict[str, float],
+                  validity: dict[str, Any] | None) -> GateResult:
     """The `accuracy.gates` thresholds, and no sample with a NaN or Inf figure: a mean over samples may hide one,
     so each is named (the accuracy stage records them with its validity checks)."""
-    checked = _check("accuracy", spec.accuracy.gates, values)
+    checked = _check("accuracy", thresholds, values)
     bad = (validity or {}).get("nonfinite_samples") or {}
     named = tuple(f"{column} is NaN or Inf in sample{'s' if len(samples) > 1 else ''} "
                   f"{', '.join(map(str, samples[:5]))}{f' and {len(samples) - 5} more' if len(samples) > 5 else ''}"
@@ -101,13 +103,13 @@ def accuracy_gate(spec: PipelineSpec, values: dict[str, float], validity: dict[s
     return GateResult("accuracy", checked.passed and not named, checked.reasons + named)
 
 
-def evaluate(spec: PipelineSpec, metrics: dict[str, float], validity: dict[str, Any] | None,
+def evaluate(settings: GateSettings, metrics: dict[str, float], validity: dict[str, Any] | None,
              previous: dict[str, Any] | None) -> list[GateResult]:
     """All gates for one candidate (metrics named as in tasks.metrics), in the order a user reads them."""
     accuracy_values = {k.removeprefix("accuracy."): v for k, v in metrics.items() if k.startswith("accuracy.")}
     return [
         validity_gate(validity),
-        accuracy_gate(spec, accuracy_values, validity),
-        performance_gate(spec, metrics),
-        regression_gate(spec, metrics, previous),
+        accuracy_gate(settings.accuracy, accuracy_values, validity),
+        performance_gate(settings.performance, metrics),
+        regression_gate(settings, metrics, previous),
     ]

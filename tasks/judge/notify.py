@@ -52,7 +52,8 @@ from typing import Any
 
 import httpx
 
-from tasks.config.spec import PipelineSpec, WebhookSpec, registered_model_name
+from tasks.config.settings import RegistrySettings
+from tasks.config.spec import WebhookSpec
 from tasks.metrics import key_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.registry import tracking
@@ -133,22 +134,22 @@ class Delivery:
     last_error: str
 
 
-def promotion_event(spec: PipelineSpec, outcome: CandidateOutcome, registered_model: str, version: str,
+def promotion_event(registry: RegistrySettings, outcome: CandidateOutcome, registered_model: str, version: str,
                     metrics: dict[str, float], timestamp: str) -> dict:
     """The event body, less the delivery id (which is per webhook)."""
     candidate = outcome.candidate
     return {"event": EVENT, "pipeline": candidate.pipeline, "target": candidate.target,
             "precision": candidate.precision, "candidate": candidate.name,
-            "registered_model": registered_model, "version": str(version), "alias": spec.promotion.alias,
+            "registered_model": registered_model, "version": str(version), "alias": registry.alias,
             "metrics": key_metrics(metrics), "run_id": outcome.run_id, "timestamp": timestamp}
 
 
-def new_record(spec: PipelineSpec, event: dict, previous: str | None) -> dict:
+def new_record(registry: RegistrySettings, event: dict, previous: str | None) -> dict:
     """One outbox entry: the event, the alias's version before it moved, a pending delivery per webhook."""
     return {"event": event, "previous": previous, "recorded_at": datetime.now(UTC).isoformat(),
             "deliveries": [{"webhook": index, "url": redacted_url(hook.url), "delivery_id": uuid.uuid4().hex,
                             "status": "pending", "attempts": 0, "last_error": ""}
-                           for index, hook in enumerate(spec.promotion.webhooks)]}
+                           for index, hook in enumerate(registry.webhooks)]}
 
 
 def read_events(tags: Mapping[str, str]) -> list[dict]:
@@ -248,10 +249,10 @@ def _reached_alias(entries: list[_Entry], alias_version: str | None) -> list[boo
     return reached
 
 
-def _reconcile(spec: PipelineSpec, registered_model: str, boxes: dict[str, list[dict]],
+def _reconcile(registry: RegistrySettings, registered_model: str, boxes: dict[str, list[dict]],
                entries: list[_Entry]) -> list[_Entry]:
     """Give the alias's version an event when its promotion has none; returns the entries, with it."""
-    alias_version = tracking.alias_version(registered_model, spec.promotion.alias)
+    alias_version = tracking.alias_version(registered_model, registry.alias)
     if alias_version is None or alias_version not in boxes:
         return entries
     reached = _reached_alias(entries, alias_version)
@@ -260,13 +261,13 @@ def _reconcile(spec: PipelineSpec, registered_model: str, boxes: dict[str, list[
         return entries
     version = tracking.get_version(registered_model, alias_version)
     metrics = key_metrics({k: float(v) for k, v in version.tags.items() if _is_number(v)})
-    event = {"event": EVENT, "pipeline": spec.name, "target": version.tags.get("target", ""),
+    event = {"event": EVENT, "pipeline": registry.pipeline, "target": version.tags.get("target", ""),
              "precision": version.tags.get("precision", ""), "candidate": version.tags.get("candidate", ""),
-             "registered_model": registered_model, "version": alias_version, "alias": spec.promotion.alias,
+             "registered_model": registered_model, "version": alias_version, "alias": registry.alias,
              "metrics": metrics, "run_id": version.run_id, "timestamp": datetime.now(UTC).isoformat()}
-    record = new_record(spec, event, current.version if current else None)
+    record = new_record(registry, event, current.version if current else None)
     log.warning("%s: alias %s is on version %s but no event announces it; recording one",
-                registered_model, spec.promotion.alias, alias_version)
+                registered_model, registry.alias, alias_version)
     record_event(registered_model, alias_version, record)
     boxes[alias_version].append(record)
     return entries + [_Entry(alias_version, len(boxes[alias_version]) - 1, record)]
@@ -280,12 +281,12 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _settle(spec: PipelineSpec, registered_model: str, backoff_s: float) -> list[Delivery]:
+def _settle(registry: RegistrySettings, registered_model: str, backoff_s: float) -> list[Delivery]:
     """Reconcile one registered model's alias with its outbox, then send what is pending, oldest first."""
-    hooks = {redacted_url(hook.url): hook for hook in spec.promotion.webhooks}
+    hooks = {redacted_url(hook.url): hook for hook in registry.webhooks}
     boxes, entries = _outbox(registered_model)
-    entries = _reconcile(spec, registered_model, boxes, entries)
-    reached = _reached_alias(entries, tracking.alias_version(registered_model, spec.promotion.alias))
+    entries = _reconcile(registry, registered_model, boxes, entries)
+    reached = _reached_alias(entries, tracking.alias_version(registered_model, registry.alias))
     too_old = (datetime.now(UTC) - timedelta(days=MAX_PENDING_DAYS)).isoformat()
     results = []
     for entry, happened in zip(entries, reached):
@@ -315,12 +316,12 @@ def _settle(spec: PipelineSpec, registered_model: str, backoff_s: float) -> list
     return results
 
 
-def settle_model(spec: PipelineSpec, registered_model: str, *, backoff_s: float = 1.0) -> list[Delivery]:
+def settle_model(registry: RegistrySettings, registered_model: str, *, backoff_s: float = 1.0) -> list[Delivery]:
     """`_settle` under the model's promotion lock, so two runs never send the same delivery at once."""
     with promotion_lock(registered_model):
         if not tracking.registered_model_exists(registered_model):
             return []
-        return _settle(spec, registered_model, backoff_s)
+        return _settle(registry, registered_model, backoff_s)
 
 
 def promotion_lock(registered_model: str):
@@ -328,21 +329,20 @@ def promotion_lock(registered_model: str):
     return locks.exclusive(f"promote {registered_model}", tracking.tracking_uri())
 
 
-def notify_promotions(spec: PipelineSpec, outcomes: list[CandidateOutcome], *,
+def notify_promotions(registry: RegistrySettings, outcomes: list[CandidateOutcome], *,
                       backoff_s: float = 1.0) -> list[dict]:
     """Send the events promotion recorded for these outcomes, plus any still pending on the same
     registered models from earlier runs (oldest first, so a receiver ends on the newest)."""
     names = sorted({o.model_name for o in outcomes if o.model_name})
-    return [asdict(d) for name in names for d in settle_model(spec, name, backoff_s=backoff_s)]
+    return [asdict(d) for name in names for d in settle_model(registry, name, backoff_s=backoff_s)]
 
 
-def retry_pending(specs: PipelineSpec | Iterable[PipelineSpec], *, backoff_s: float = 1.0) -> list[dict]:
+def retry_pending(registries: Iterable[RegistrySettings], *, backoff_s: float = 1.0) -> list[dict]:
     """Reconcile and send every event still pending for these pipelines (`smelter notify --retry`)."""
     results = []
-    for spec in [specs] if isinstance(specs, PipelineSpec) else list(specs):
-        for target in spec.targets:
-            name = registered_model_name(spec.name, target.name)
-            results += [asdict(d) for d in settle_model(spec, name, backoff_s=backoff_s)]
+    for registry in registries:
+        for target in registry.targets:
+            results += [asdict(d) for d in settle_model(registry, registry.model_name(target), backoff_s=backoff_s)]
     for warning in show_outboxes((r["registered_model"], r["version"]) for r in results):
         log.warning(warning)  # only a run refreshed them: a delivered event read "pending 1" until the next
     return results

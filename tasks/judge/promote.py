@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tasks.config.spec import PipelineSpec, TargetSpec, registered_model_name
+from tasks.config.settings import RegistrySettings, RunSettings
+from tasks.config.spec import TargetSpec
 from tasks.judge import notify
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Decision
@@ -77,8 +78,10 @@ class _Undo:
         return failures
 
 
-def promote(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
-    """Register passing candidates and give the alias to the one each target's decision chose.
+def promote(registry: RegistrySettings, record: RunSettings,
+            outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
+    """Register passing candidates and give the alias to the one each target's decision chose; `record` is what
+    a registered model's description and tags name, the engine check and the engine card read of the pipeline.
 
     Candidates must already be logged (`tracking.log_candidate` sets `run_id`): a registry version
     points at its run's `engine` artifacts. The alias moves only from the version the decision saw
@@ -90,22 +93,23 @@ def promote(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[Candid
     if unlogged:
         raise PromotionError(f"candidates {unlogged} passed their gates but have no MLflow run_id; "
                              "log them with tracking.log_candidate before promotion")
-    by_target = {t.name: [o for o in outcomes if o.candidate.target == t.name and o.passed_gates] for t in spec.targets}
-    names = sorted(registered_model_name(spec.name, t) for t, passing in by_target.items() if passing)
+    by_target = {t.name: [o for o in outcomes if o.candidate.target == t.name and o.passed_gates]
+                 for t in record.targets}
+    names = sorted(registry.model_name(t) for t, passing in by_target.items() if passing)
     undo = _Undo()
     decisions: list[_Decision] = []
     with contextlib.ExitStack() as held:
         for name in names:  # always in the same order: two runs never wait on each other crosswise
             held.enter_context(notify.promotion_lock(name))
         try:
-            for target in spec.targets:
-                passing = [o for o in by_target[target.name] if _engine_ok(spec, o)]
+            for target in record.targets:
+                passing = [o for o in by_target[target.name] if _engine_ok(registry, record, o)]
                 if passing:
-                    decisions += _promote_target(spec, target, passing, undo)
+                    decisions += _promote_target(registry, record, target, passing, undo)
         except Exception as e:
             failures = undo.rollback()
             detail = f"; rollback also failed, fix by hand: {'; '.join(failures)}" if failures else "; rolled back"
-            raise PromotionError(f"promotion of pipeline {spec.name} failed: {e}{detail}") from e
+            raise PromotionError(f"promotion of pipeline {registry.pipeline} failed: {e}{detail}") from e
     for decision in decisions:
         outcome = decision.outcome
         outcome.status = "promoted" if decision.promoted else "passed"
@@ -113,16 +117,17 @@ def promote(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> list[Candid
     return outcomes
 
 
-def _engine_ok(spec: PipelineSpec, outcome: CandidateOutcome) -> bool:
+def _engine_ok(registry: RegistrySettings, record: RunSettings, outcome: CandidateOutcome) -> bool:
     """Check an engine that is about to become a new version; a bad one fails its candidate, alias unmoved."""
-    name = registered_model_name(spec.name, outcome.candidate.target)
+    name = registry.model_name(outcome.candidate.target)
     if _same_engine(name, outcome):
         return True  # checked when it was registered; the registry's copy is what deploys fetch
     try:
         with tempfile.TemporaryDirectory(prefix="smelter-engine-") as work_dir:
             tracking.hold_engine_files(outcome, Path(work_dir))
         if outcome.stages["build"].path.is_dir():
-            engine_check.check_before_registering(spec, outcome.stages, tracking.uploaded_engine_digest(outcome.run_id))
+            engine_check.check_before_registering(record.targets, record.profiles, outcome.stages,
+                                                  tracking.uploaded_engine_digest(outcome.run_id))
         else:  # built on another pool's host: what is registered is its upload, checked there
             verdict = tracking.engine_check_verdict(outcome.run_id) if outcome.run_id else None
             if verdict != "passed":
@@ -136,18 +141,18 @@ def _engine_ok(spec: PipelineSpec, outcome: CandidateOutcome) -> bool:
     return True
 
 
-def _promote_target(spec: PipelineSpec, target: TargetSpec, passing: list[CandidateOutcome],
-                    undo: _Undo) -> list[_Decision]:
-    name = registered_model_name(spec.name, target.name)
-    alias = spec.promotion.alias
-    tags = _model_tags(spec, target)
-    before = tracking.ensure_registered_model(name, _description(spec, target), tags)
+def _promote_target(registry: RegistrySettings, record: RunSettings, target: TargetSpec,
+                    passing: list[CandidateOutcome], undo: _Undo) -> list[_Decision]:
+    name = registry.model_name(target.name)
+    alias = registry.alias
+    tags = _model_tags(record, target)
+    before = tracking.ensure_registered_model(name, _description(record, target, alias), tags)
     if before is None:
         undo.add(f"delete registered model {name}", lambda: tracking.delete_registered_model(name))
     else:
         undo.add(f"restore the description and tags of {name}",
                  lambda: tracking.restore_registered_model(before, list(tags)))
-    versions = {o.candidate.name: _register(spec, name, o, undo) for o in passing}
+    versions = {o.candidate.name: _register(registry, record, name, o, undo) for o in passing}
     best = next((o for o in passing if o.decision and o.decision.take_alias), None)
     previous = tracking.alias_version(name, alias)  # read again under the lock: compare, then set
     if best is not None and previous not in (best.decision.champion, versions[best.candidate.name]):
@@ -162,7 +167,7 @@ def _promote_target(spec: PipelineSpec, target: TargetSpec, passing: list[Candid
             _refresh_tags(name, previous, {"status": "superseded", "superseded_by": version}, undo)
             _redescribe(name, previous, f"superseded by v{version}", tracking.get_version(name, previous).tags,
                         f"v{version} took @{alias}: {best.decision.reason}", undo)
-        _record_event(spec, best, name, version, previous, undo)
+        _record_event(registry, best, name, version, previous, undo)
         killpoints.reach("event.recorded")
         tracking.set_alias(name, alias, version)
         undo.add(f"restore alias {alias} of {name} to version {previous}",
@@ -190,7 +195,8 @@ def _same_engine(name: str, outcome: CandidateOutcome) -> list[tracking.Register
     return tracking.versions_of_engine(name, tracking.engine_identity(build), build.key)
 
 
-def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _Undo) -> str:
+def _register(registry: RegistrySettings, record: RunSettings, name: str, outcome: CandidateOutcome,
+              undo: _Undo) -> str:
     """The one version for this engine's bytes: an existing one (its figures brought up to date), else a new one.
 
     Reusing keeps an unchanged nightly re-run from piling up identical versions and from
@@ -204,7 +210,7 @@ def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _U
     if same_engine:
         if missing := {k: v for k, v in identity.items() if k not in same_engine[0].tags}:  # registered before either
             _refresh_tags(name, same_engine[0].version, missing, undo)
-        _refresh_measurement(spec, name, same_engine[0], outcome, undo)
+        _refresh_measurement(registry, record, name, same_engine[0], outcome, undo)
         return same_engine[0].version
     tags = {"status": "registered", "decision_reason": outcome.reason[:tracking.MAX_TAG_CHARS],  # from the start
             "candidate": outcome.candidate.name, "precision": outcome.candidate.precision,
@@ -220,7 +226,7 @@ def _register(spec: PipelineSpec, name: str, outcome: CandidateOutcome, undo: _U
         undo.steps.pop()
         _registered_meanwhile(outcome, lowest, created.version)
         return lowest
-    holder = tracking.alias_version(name, spec.promotion.alias)  # never removed from under a deploy that reads it
+    holder = tracking.alias_version(name, registry.alias)  # never removed from under a deploy that reads it
     for other in same_engine[1:]:
         if other.version != holder:  # its own run removes it too, whichever of the two comes first
             tracking.delete_version(name, other.version, missing_ok=True)
@@ -271,8 +277,8 @@ def _redescribe(name: str, version: str, status: str, tags: dict[str, str], reas
              lambda: tracking.set_version_description(name, version, old))
 
 
-def _refresh_measurement(spec: PipelineSpec, name: str, version: tracking.RegisteredVersion,
-                         outcome: CandidateOutcome, undo: _Undo) -> None:
+def _refresh_measurement(registry: RegistrySettings, record: RunSettings, name: str,
+                         version: tracking.RegisteredVersion, outcome: CandidateOutcome, undo: _Undo) -> None:
     """Bring a reused version's metric tags, description and engine card (its key metrics and capacity plan)
     to this run's measurement when it is newer than the one they show: a re-measurement replaced the
     published one (same key, later date)."""
@@ -285,10 +291,10 @@ def _refresh_measurement(spec: PipelineSpec, name: str, version: tracking.Regist
     _refresh_tags(name, version.version, metrics | measured, undo, drop=stale)
     old_description = tracking.version_description(name, version.version)
     tracking.set_version_description(name, version.version,
-                                     _version_description(outcome, _status_words(version.tags, spec.promotion.alias)))
+                                     _version_description(outcome, _status_words(version.tags, registry.alias)))
     undo.add(f"restore the description of {name} version {version.version}",
              lambda: tracking.set_version_description(name, version.version, old_description))
-    sections = tracking.measured_sections(spec, outcome, stage_metrics(outcome.stages), f"{name} v{version.version}")
+    sections = tracking.measured_sections(record, outcome, stage_metrics(outcome.stages), f"{name} v{version.version}")
     card = tracking.replace_card_sections(version.run_id, sections) if version.run_id != outcome.run_id else None
     if card is not None:
         undo.add(f"restore the engine card of {name} version {version.version}",
@@ -324,24 +330,23 @@ def _refresh_tags(name: str, version: str, tags: dict[str, str], undo: _Undo, dr
         tracking.delete_version_tag(name, version, key)
 
 
-def _record_event(spec: PipelineSpec, outcome: CandidateOutcome, name: str, version: str, previous: str | None,
+def _record_event(registry: RegistrySettings, outcome: CandidateOutcome, name: str, version: str, previous: str | None,
                   undo: _Undo) -> None:
     """Append the pending event to the version's outbox (one write) before the alias moves; undoable."""
     metrics = stage_metrics(outcome.stages)
-    event = notify.promotion_event(spec, outcome, name, version, metrics, datetime.now(UTC).isoformat())
-    before = notify.record_event(name, version, notify.new_record(spec, event, previous))
+    event = notify.promotion_event(registry, outcome, name, version, metrics, datetime.now(UTC).isoformat())
+    before = notify.record_event(name, version, notify.new_record(registry, event, previous))
     undo.add(f"remove the event record of {name} version {version}",
              lambda: notify.restore_events(name, version, before))
 
 
-def _description(spec: PipelineSpec, target: TargetSpec) -> str:
+def _description(record: RunSettings, target: TargetSpec, alias: str) -> str:
     where = f"{target.backend} on {target.gpu_arch}" if target.gpu_arch else target.backend
-    return (f"Engines of pipeline '{spec.name}' ({spec.model.id or spec.model.path}) for target "
+    return (f"Engines of pipeline '{record.pipeline}' ({record.model}) for target "
             f"'{target.name}' ({where}). Each version passed every gate; alias "
-            f"'{spec.promotion.alias}' marks the one in production.")
+            f"'{alias}' marks the one in production.")
 
 
-def _model_tags(spec: PipelineSpec, target: TargetSpec) -> dict[str, str]:
-    tags = {"pipeline": spec.name, "target": target.name, "backend": target.backend,
-            "model": spec.model.id or spec.model.path or ""}
+def _model_tags(record: RunSettings, target: TargetSpec) -> dict[str, str]:
+    tags = {"pipeline": record.pipeline, "target": target.name, "backend": target.backend, "model": record.model}
     return tags | ({"arch": target.gpu_arch} if target.gpu_arch else {})

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.backends.table import BACKENDS
-from tasks.config.spec import PipelineSpec
+from tasks.config.spec import Threshold
 
 
 def packager(backend: str) -> Callable[..., Path] | None:
@@ -34,15 +34,16 @@ def serves(build_outputs: dict[str, Any]) -> bool:
     return info is not None and info.target.serving is not None
 
 
-def latency_slo_ms(spec: PipelineSpec) -> float | None:
+def latency_slo_ms(performance_gates: dict[str, Threshold]) -> float | None:
     """The pipeline's p99 latency SLO: performance.gates.p99_ms.max, if set."""
-    gate = spec.performance.gates.get("p99_ms")
+    gate = performance_gates.get("p99_ms")
     return gate.max if gate is not None else None
 
 
-def package_promoted(spec: PipelineSpec, outcomes: list[Any], repo_dir: Path) -> dict[str, Path]:
+def package_promoted(pipeline: str, slo_ms: float | None, outcomes: list[Any], repo_dir: Path) -> dict[str, Path]:
     """One serving package per promoted candidate whose backend packages its engines, keyed by its MLflow run id;
-    the candidate's own engine is the package's default, its benchmark points configure the batching."""
+    the candidate's own engine is the package's default, its benchmark points configure the batching, and
+    `slo_ms` is the p99 latency its preferred batch sizes must meet (`latency_slo_ms`)."""
     promoted = [o for o in outcomes if o.status == "promoted" and serves(o.stages["build"].outputs)]
     packages = {}
     for outcome in promoted:
@@ -50,6 +51,6 @@ def package_promoted(spec: PipelineSpec, outcomes: list[Any], repo_dir: Path) ->
         siblings = [o for o in promoted if o is not outcome and o.candidate.precision == outcome.candidate.precision
                     and o.stages["build"].outputs["backend"] == backend]
         packages[outcome.run_id] = packager(backend)(
-            repo_dir / outcome.run_id, spec.name, [o.stages["build"].path for o in [outcome, *siblings]],
-            outcome.stages["benchmark"].outputs.get("points", []), latency_slo_ms(spec), int(outcome.model_version))
+            repo_dir / outcome.run_id, pipeline, [o.stages["build"].path for o in [outcome, *siblings]],
+            outcome.stages["benchmark"].outputs.get("points", []), slo_ms, int(outcome.model_version))
     return packages

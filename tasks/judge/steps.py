@@ -18,7 +18,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks.config.spec import PipelineSpec
+from tasks.config.settings import DecisionSettings, GateSettings, RegistrySettings, RunSettings
+from tasks.config.spec import PipelineSpec, TargetSpec
 from tasks.judge import decide, gates, notify, promote, serving
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome, Champion
@@ -26,7 +27,7 @@ from tasks.registry import tracking
 from tasks.runtime.error_text import described
 from tasks.stages.accuracy import measured_on
 
-GROUP = "smelter.judges"
+JUDGES_GROUP = "smelter.judges"
 Ref = tuple[str, str]
 """(stage, node): one step of a run, e.g. ("gate", "minilm/int8/cpu")."""
 
@@ -61,19 +62,20 @@ class Judge:
             per-candidate stage and its target's benchmark; a pipeline's step reads every step of them.
         act: runs the step for one node and returns the next state; a failure it handles is recorded on the
             candidates it fails (status, failed_stage, error) and in `failed`, not raised.
-        reads: what it decides from, said by `smelter plan`, given the pipeline.
+        reads: what it decides from, said by `smelter plan`, given where the pipeline registers its engines.
         before: stages that read this one besides those that name it in their `after` (a plugin's extra
             gate goes before smelter's decide).
-        applies: whether the pipeline has this step at all (package: only where a target's backend packages).
+        applies: whether the pipeline has this step at all, given the targets of its candidates (package: only
+            where a target's backend packages).
     """
 
     stage: str
     per: Literal["candidate", "pipeline"]
     after: tuple[str, ...]
     act: Callable[[Judging, str], Judging]
-    reads: Callable[[PipelineSpec], str]
+    reads: Callable[[RegistrySettings], str]
     before: tuple[str, ...] = ()
-    applies: Callable[[PipelineSpec, list[str]], bool] = lambda spec, targets: True
+    applies: Callable[[list[TargetSpec]], bool] = lambda targets: True
 
 
 def fail(outcome: CandidateOutcome, stage: str, error: BaseException) -> None:
@@ -91,11 +93,12 @@ def _gate(judging: Judging, node: str) -> Judging:
         return judging
     if outcome.status != "failed":
         spec, candidate = judging.spec, outcome.candidate
-        previous = tracking.previous_version(spec, candidate.target, candidate.precision, outcome.stages.get("build"),
-                                             measured_on(outcome.stages.get("accuracy")))
+        previous = tracking.previous_version(RegistrySettings.of(spec), candidate.target, candidate.precision,
+                                             outcome.stages.get("build"), measured_on(outcome.stages.get("accuracy")))
         measured = stage_metrics(outcome.stages)
         outcome.metrics = key_metrics(measured)
-        outcome.gates = gates.evaluate(spec, measured, outcome.stages["accuracy"].outputs.get("validity"), previous)
+        validity = outcome.stages["accuracy"].outputs.get("validity")
+        outcome.gates = gates.evaluate(GateSettings.of(spec), measured, validity, previous)
         outcome.status = "passed" if outcome.passed_gates else "rejected"
     try:
         tracking.record_gates(outcome.run_id, outcome)
@@ -106,14 +109,16 @@ def _gate(judging: Judging, node: str) -> Judging:
 
 def _decide(judging: Judging, node: str) -> Judging:
     """Each target's champion among the candidates that passed, against the one registered now."""
-    return dataclasses.replace(judging, outcomes=decide.decide(judging.spec, judging.outcomes, judging.champions))
+    outcomes = decide.decide(DecisionSettings.of(judging.spec), judging.outcomes, judging.champions)
+    return dataclasses.replace(judging, outcomes=outcomes)
 
 
 def _promote(judging: Judging, node: str) -> Judging:
     """Move the aliases to the decided champions, all or nothing: a failure rolls promotion back and fails the
     candidates that would have been promoted."""
     try:
-        return dataclasses.replace(judging, outcomes=promote.promote(judging.spec, judging.outcomes))
+        outcomes = promote.promote(RegistrySettings.of(judging.spec), RunSettings.of(judging.spec), judging.outcomes)
+        return dataclasses.replace(judging, outcomes=outcomes)
     except Exception as e:  # noqa: BLE001 - promotion rolled back: its candidates failed, the alias did not move
         for outcome in judging.outcomes:
             if outcome.status == "passed":
@@ -136,7 +141,8 @@ def _package(judging: Judging, node: str) -> Judging:
     try:
         with tempfile.TemporaryDirectory(prefix="smelter-serving-") as tmp:
             outcomes = [_with_engine_here(o, Path(tmp) / "engines") for o in judging.outcomes]
-            packages = serving.package_promoted(judging.spec, outcomes, Path(tmp) / "repository")
+            slo_ms = serving.latency_slo_ms(judging.spec.performance.gates)
+            packages = serving.package_promoted(judging.spec.name, slo_ms, outcomes, Path(tmp) / "repository")
             for run_id, model_dir in packages.items():
                 tracking.log_directory(run_id, model_dir, f"triton/{model_dir.name}")
     except Exception as e:  # noqa: BLE001 - see _after_promotion
@@ -157,31 +163,31 @@ def _with_engine_here(outcome: CandidateOutcome, engines: Path) -> CandidateOutc
 def _notify(judging: Judging, node: str) -> Judging:
     """The promotions' webhooks, and earlier runs' pending events."""
     try:
-        deliveries = notify.notify_promotions(judging.spec, judging.outcomes)
+        deliveries = notify.notify_promotions(RegistrySettings.of(judging.spec), judging.outcomes)
     except Exception as e:  # noqa: BLE001 - see _after_promotion
         return _after_promotion(judging, "notify", e)
     return dataclasses.replace(judging, deliveries=deliveries)
 
 
-def _packages(spec: PipelineSpec, targets: list[str]) -> bool:
+def _packages(targets: list[TargetSpec]) -> bool:
     """Whether a target's backend packages its promoted engines for serving (TargetSpec.serving)."""
-    return any(spec.target(t).serving is not None for t in targets)
+    return any(t.serving is not None for t in targets)
 
 
-def _webhooks(spec: PipelineSpec) -> str:
-    hooks = len(spec.promotion.webhooks)
+def _webhooks(registry: RegistrySettings) -> str:
+    hooks = len(registry.webhooks)
     return f"the promotions and earlier runs' pending events, for {hooks} webhook{'s' * (hooks != 1)}"
 
 
 JUDGES = (
     Judge("gate", "candidate", ("accuracy", "benchmark"), _gate,
-          lambda spec: "accuracy and benchmark against the gates and the previous registered version"),
+          lambda registry: "accuracy and benchmark against the gates and the previous registered version"),
     Judge("decide", "pipeline", ("gate",), _decide,
-          lambda spec: "the gates and each target's registered champion"),
+          lambda registry: "the gates and each target's registered champion"),
     Judge("promote", "pipeline", ("decide",), _promote,
-          lambda spec: f"the decisions and each target's @{spec.promotion.alias} in the registry"),
+          lambda registry: f"the decisions and each target's @{registry.alias} in the registry"),
     Judge("package", "pipeline", ("promote",), _package,
-          lambda spec: "promoted engines: serving packages (Triton entries of TensorRT plans)", applies=_packages),
+          lambda registry: "promoted engines: serving packages (Triton entries of TensorRT plans)", applies=_packages),
     Judge("notify", "pipeline", ("promote",), _notify, _webhooks),
 )
 """smelter's own judging stages."""
@@ -191,7 +197,7 @@ def installed() -> tuple[Judge, ...]:
     """smelter's judging stages, then those other distributions register (one whose name is taken, or that
     cannot be loaded, is left out with a warning)."""
     found = {judge.stage: judge for judge in JUDGES}
-    for entry in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+    for entry in sorted(entry_points(group=JUDGES_GROUP), key=lambda e: e.name):
         dist = entry.dist.name if entry.dist else "?"
         try:
             judge = entry.load()

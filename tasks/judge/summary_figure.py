@@ -22,7 +22,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.config.spec import PipelineSpec, Threshold, point_words
+from tasks.config.settings import FigureSettings
+from tasks.config.spec import Threshold, point_words
 from tasks.judge.gate_words import RATIO, gated_figures, misses, missed_gates, short_name
 from tasks.outcome import CandidateOutcome
 from tasks.runtime.whole_file import write_whole
@@ -37,23 +38,23 @@ COLOURS = {"promoted": "#2e7d32", "passed": "#66bb6a", "pending": "#f9a825", "re
 MISSED = "#c62828"  # a value on the wrong side of its bound
 
 
-def status_label(spec: PipelineSpec, outcome: CandidateOutcome) -> str:
+def status_label(settings: FigureSettings, outcome: CandidateOutcome) -> str:
     """`promoted @champion`, `rejected: p99_ms`, `pending (machine busy)`, ..."""
     if outcome.status == "pending":
         label = "pending (machine busy)"
-    elif outcome.status == "rejected" and (why := missed_gates(spec, outcome)):
+    elif outcome.status == "rejected" and (why := missed_gates(settings.gates, outcome)):
         label = f"rejected: {', '.join(why)}"
     else:
         label = outcome.status
-    return label + (f" @{spec.promotion.alias}" if _holds_alias(outcome) else "")
+    return label + (f" @{settings.alias}" if _holds_alias(outcome) else "")
 
 
-def summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> Figure:
+def summary_figure(settings: FigureSettings, outcomes: list[CandidateOutcome]) -> Figure:
     """One row per candidate, one panel per gated figure (speed first); a candidate with no measurement (it
     failed before) gets its status written where its bar would be."""
     from matplotlib.figure import Figure
 
-    figures = gated_figures(spec)
+    figures = gated_figures(settings.gates)
     others = [metric for metric in figures if metric != RATIO]
     rows = 1.2 + 0.55 * max(len(outcomes), 1)  # inches a row of panels takes
     # the speed panel on top, the other bounds side by side under it: a picture about as tall as wide, so
@@ -61,7 +62,7 @@ def summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> Figu
     figure = Figure(figsize=(9, rows * (2 if others else 1) + 0.4), layout="constrained")
     grid = figure.add_gridspec(2 if others else 1, max(len(others), 1))
     speed = figure.add_subplot(grid[0, :])
-    _speed_panel(speed, spec, outcomes, figures[RATIO])
+    _speed_panel(speed, settings, outcomes, figures[RATIO])
     names = [o.candidate.name for o in outcomes]
     for column, metric in enumerate(others):
         axes = figure.add_subplot(grid[1, column], sharey=speed)
@@ -70,16 +71,17 @@ def summary_figure(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> Figu
     speed.set_yticks(range(len(outcomes)), names)
     speed.set_ylim(len(outcomes) - 0.5, -0.5)
     rejected = sum(o.status == "rejected" for o in outcomes)
-    figure.suptitle(f"{spec.name}: every gate, each candidate against its bound"
+    figure.suptitle(f"{settings.pipeline}: every gate, each candidate against its bound"
                     + (f" ({rejected} rejected; the bound missed in red)" if rejected else ""), fontsize=11)
     return figure
 
 
-def _speed_panel(axes: Axes, spec: PipelineSpec, outcomes: list[CandidateOutcome], gate: Threshold | None) -> None:
+def _speed_panel(axes: Axes, settings: FigureSettings, outcomes: list[CandidateOutcome],
+                 gate: Threshold | None) -> None:
     for row, outcome in enumerate(outcomes):
         value = outcome.metrics.get(RATIO)
         colour = COLOURS[outcome.status]
-        label = status_label(spec, outcome)
+        label = status_label(settings, outcome)
         if value is None or not math.isfinite(value):
             axes.text(0.02, row, f"{label}: not measured", va="center", transform=axes.get_yaxis_transform(),
                       color=colour)
@@ -103,7 +105,7 @@ def _speed_panel(axes: Axes, spec: PipelineSpec, outcomes: list[CandidateOutcome
         axes.axvline(bound, color=MISSED, linewidth=1.2, linestyle="--", label=f"gate: ≥ {bound:g}x")
         axes.legend(loc="lower right", fontsize=8)
     axes.set_xlim(0, _right_edge(outcomes, bound if bound is not None else 1.0))
-    axes.set_xlabel(f"times faster than PyTorch ({point_words(spec.gate_point)}, 95% interval)")
+    axes.set_xlabel(f"times faster than PyTorch ({point_words(settings.gate_point)}, 95% interval)")
     axes.set_title("speedup vs the reference" + (f" (gate ≥ {bound:g}x)" if bound is not None else ""), fontsize=10)
 
 
@@ -144,15 +146,15 @@ def _bound_words(bound: Threshold | None) -> str:
     return " and ".join(f"{sign} {limit:g}" for sign, limit in limits if limit is not None)
 
 
-def summary_png(spec: PipelineSpec, outcomes: list[CandidateOutcome], drawn: Path | None = None) -> bytes:
+def summary_png(settings: FigureSettings, outcomes: list[CandidateOutcome], drawn: Path | None = None) -> bytes:
     """The figure as PNG; with `drawn` (a folder), taken from there when the same picture was drawn before."""
-    path = drawn / f"{_picture_digest(spec, outcomes)}.png" if drawn is not None else None
+    path = drawn / f"{_picture_digest(settings, outcomes)}.png" if drawn is not None else None
     if path is not None and path.is_file():
         png = path.read_bytes()
         if png.startswith(PNG_SIGNATURE) and png.endswith(PNG_END):  # a whole file, not a torn one
             return png
     buffer = io.BytesIO()
-    summary_figure(spec, outcomes).savefig(buffer, format="png", dpi=110)
+    summary_figure(settings, outcomes).savefig(buffer, format="png", dpi=110)
     png = buffer.getvalue()
     if path is not None:
         with contextlib.suppress(OSError):  # a picture not kept is drawn again next time
@@ -166,13 +168,13 @@ DRAWN = "summary-figures"  # the folder of pictures drawn, under the artifact st
 KEEP_DRAWN = 64  # pictures kept; the oldest go first
 
 
-def _picture_digest(spec: PipelineSpec, outcomes: list[CandidateOutcome]) -> str:
+def _picture_digest(settings: FigureSettings, outcomes: list[CandidateOutcome]) -> str:
     """Everything the picture shows, and what draws it (this module, matplotlib's version)."""
-    figures = gated_figures(spec)
-    shown: list[Any] = [hashlib.sha256(Path(__file__).read_bytes()).hexdigest(), version("matplotlib"), spec.name,
-                        spec.promotion.alias, spec.gate_point,
+    figures = gated_figures(settings.gates)
+    shown: list[Any] = [hashlib.sha256(Path(__file__).read_bytes()).hexdigest(), version("matplotlib"),
+                        settings.pipeline, settings.alias, settings.gate_point,
                         [[m, b.min, b.max] if b is not None else [m] for m, b in figures.items()]]
-    shown += [[o.candidate.name, o.status, _holds_alias(o), status_label(spec, o)]
+    shown += [[o.candidate.name, o.status, _holds_alias(o), status_label(settings, o)]
               + [o.metrics.get(f"{RATIO}{end}") for end in ("_ci_low", "_ci_high")]
               + [o.metrics.get(metric) for metric in figures]
               for o in outcomes]

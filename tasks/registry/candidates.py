@@ -17,7 +17,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking.context.registry import resolve_tags
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-from tasks.config.spec import Candidate, PipelineSpec
+from tasks.config.settings import RunSettings
+from tasks.config.spec import Candidate
 from tasks.metrics import stage_metrics
 from tasks.outcome import CandidateOutcome
 from tasks.registry.card import engine_card
@@ -35,7 +36,7 @@ COMPARISON_COLUMNS = ["engine", "versus", "ratio", "ci_low", "ci_high", "conclus
 OUTCOME_RECORD = "smelter/outcome.json"  # a candidate's stage results, as the parent run rebuilds them
 
 
-def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutcome,
+def log_candidate(parent_run_id: str, record: RunSettings, outcome: CandidateOutcome,
                   extra_tags: dict[str, str] | None = None) -> str:
     """A child run holding everything known about one candidate, even when it failed midway.
 
@@ -45,23 +46,24 @@ def log_candidate(parent_run_id: str, spec: PipelineSpec, outcome: CandidateOutc
     """
     client = _client()
     metrics = stage_metrics(outcome.stages)
-    tags = resolve_tags(candidate_tags(spec, outcome) | (extra_tags or {})
+    tags = resolve_tags(candidate_tags(record, outcome) | (extra_tags or {})
                         | {MLFLOW_PARENT_RUN_ID: parent_run_id, OWNER_TAG: owner_tag()} | before_decision(outcome))
-    created = client.create_run(_experiment_id(client, spec.name), start_time=_work_started_ms(outcome),
+    created = client.create_run(_experiment_id(client, record.pipeline), start_time=_work_started_ms(outcome),
                                 tags=tags, run_name=outcome.candidate.name)
     run = mlflow.start_run(run_id=created.info.run_id, nested=True)
     status = "FAILED"
     try:
-        mlflow.log_params(candidate_params(spec, outcome))
+        mlflow.log_params(candidate_params(record, outcome))
         # the headline first: the run page lists metrics in the order they were logged, not by name
-        mlflow.log_metrics(rounded(headline_metrics(spec, metrics) | metrics | stage_seconds(outcome.stages)))
-        _log_engine(spec, outcome)
+        mlflow.log_metrics(rounded(headline_metrics(record.gated_accuracy, metrics) | metrics
+                                   | stage_seconds(outcome.stages)))
+        _log_engine(record.pipeline, outcome)
         _log_stage_files(outcome.stages)
         _log_tables(outcome.stages)
         if (benchmark := outcome.stages.get("benchmark")) and benchmark.file("latency.png").is_file():
             mlflow.log_artifact(str(benchmark.file("latency.png")), "plots")
-        mlflow.log_text(engine_card(spec, outcome, metrics), "engine_card.md")  # rewritten by finish_candidate
-        _log_datasets(spec, outcome)
+        mlflow.log_text(engine_card(record, outcome, metrics), "engine_card.md")  # rewritten by finish_candidate
+        _log_datasets(record, outcome)
         mlflow.log_dict(outcome_record(outcome), OUTCOME_RECORD)
         killpoints.reach("candidate.logged")
         status = "FAILED" if outcome.status == "failed" else "FINISHED"
@@ -98,13 +100,12 @@ def _log_tables(stages: dict[str, StageResult]) -> None:
         mlflow.log_table(table[first + [c for c in table.columns if c not in first]], "tables/comparisons.json")
 
 
-def _log_datasets(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
+def _log_datasets(record: RunSettings, outcome: CandidateOutcome) -> None:
     """The real text this engine was calibrated and judged on, so a data change shows in the UI."""
-    uses = [("evaluation", spec.accuracy.data, spec.accuracy.samples)]
-    if spec.calibrated(outcome.candidate):
-        uses.append(("calibration", spec.calibration.data, spec.calibration.samples))
-    for context, data, samples in uses:
-        path = spec.resolve(data)
+    uses = [("evaluation", record.eval_path, record.eval_samples)]
+    if record.calibrated(outcome.candidate) and record.calibration_path is not None:
+        uses.append(("calibration", record.calibration_path, record.calibration.samples))
+    for context, path, samples in uses:
         if not path.is_file():
             continue
         lines = [line for line in path.read_text().splitlines() if line.strip()][:samples]
@@ -133,7 +134,7 @@ def outcome_record(outcome: CandidateOutcome) -> dict[str, Any]:
                        for name, s in outcome.stages.items()}}
 
 
-def candidate_outcomes(spec: PipelineSpec, parent_run_id: str, store_root: Path) -> dict[str, CandidateOutcome]:
+def candidate_outcomes(pipeline: str, parent_run_id: str, store_root: Path) -> dict[str, CandidateOutcome]:
     """Every candidate logged under a parent run, rebuilt from its MLflow run (keyed by candidate name).
 
     This is the join of a fanned-out build: hosts hand back run ids, never pickled objects. A stage's
@@ -141,7 +142,7 @@ def candidate_outcomes(spec: PipelineSpec, parent_run_id: str, store_root: Path)
     (see `engine_dir` for the engine itself). The newest run wins if a candidate was logged twice.
     """
     client = _client()
-    runs = client.search_runs([_experiment_id(client, spec.name)],
+    runs = client.search_runs([_experiment_id(client, pipeline)],
                               filter_string=f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}'",
                               order_by=["attributes.start_time ASC"], max_results=5000)
     found: dict[str, CandidateOutcome] = {}

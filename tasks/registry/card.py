@@ -13,7 +13,7 @@ import html
 import mlflow
 from mlflow.exceptions import MlflowException
 
-from tasks.config.spec import PipelineSpec
+from tasks.config.settings import RunSettings
 from tasks.measure import capacity
 from tasks.metrics import key_metrics, stage_metrics
 from tasks.outcome import CandidateOutcome
@@ -25,11 +25,11 @@ from tasks.registry.versions import measured_sentence, measurement
 ENGINE_CARD = "engine_card.md"
 
 
-def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str, float],
+def engine_card(record: RunSettings, outcome: CandidateOutcome, metrics: dict[str, float],
                 figure: str | None = None) -> str:
     """A one-page summary someone deciding on a deploy reads before anything else; `figure`: the image
     (a path or a data: URI) of the run's summary figure, shown under the verdict."""
-    tags = candidate_tags(spec, outcome)
+    tags = candidate_tags(record, outcome)
     lines = [f"# {outcome.candidate.name}", "",
              f"Status: **{outcome.status}**" + ("" if tags["gate"] == "pending" else f", gates {tags['gate']}"), "",
              f"Why: {outcome.reason}", ""]
@@ -41,7 +41,7 @@ def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str
         lines += [f"Error in stage `{outcome.failed_stage}`: {outcome.error}", ""]
     lines += ["## Gates", "", "| gate | passed | reasons |", "|---|---|---|"]
     lines += [f"| {g.gate} | {'yes' if g.passed else 'no'} | {'; '.join(g.reasons)} |" for g in outcome.gates]
-    for section in measured_sections(spec, outcome, metrics):
+    for section in measured_sections(record, outcome, metrics):
         lines += ["", *section]
     if runtime := runtime_section(outcome):
         lines += ["", *runtime]
@@ -52,13 +52,13 @@ def engine_card(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str
     return "\n".join(lines) + "\n"
 
 
-def measured_sections(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str, float],
+def measured_sections(record: RunSettings, outcome: CandidateOutcome, metrics: dict[str, float],
                       source: str | None = None) -> list[list[str]]:
     """The card's sections made from the measurement, which a re-measurement rewrites: the key metrics, dated,
     and, where the pipeline sets `capacity:`, the capacity plan (`source` names the figures' version)."""
     sections = [metrics_section(key_metrics(metrics), measurement(outcome))]
-    if spec.capacity is not None:
-        sections.append(capacity_section(spec, outcome, metrics, source))
+    if record.capacity is not None:
+        sections.append(capacity_section(record, outcome, metrics, source))
     return sections
 
 
@@ -82,7 +82,7 @@ def metrics_section(metrics: dict[str, float], measured: dict[str, str]) -> list
     return lines + ["| metric | value |", "|---|---|"] + [f"| {k} | {v:.6g} |" for k, v in sorted(metrics.items())]
 
 
-def capacity_section(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dict[str, float],
+def capacity_section(record: RunSettings, outcome: CandidateOutcome, metrics: dict[str, float],
                      source: str | None = None) -> list[str]:
     """The pipeline's `capacity:` deployment planned on this engine's measured figures, as `smelter capacity`
     prints it; one line instead when it cannot be planned. Never raises: the card is written after promotion."""
@@ -90,8 +90,9 @@ def capacity_section(spec: PipelineSpec, outcome: CandidateOutcome, metrics: dic
         source = f"{outcome.model_name} v{outcome.model_version}" if outcome.model_version else outcome.candidate.name
     head = ["## Capacity plan", ""]
     try:
-        figures = capacity.figures_from_metrics(metrics, source, spec.target(outcome.candidate.target).gpu_arch)
-        result = capacity.plan(figures, spec.capacity.workload(), capacity.limits_from_profiles(spec.profiles))
+        figures = capacity.figures_from_metrics(metrics, source, record.target(outcome.candidate.target).gpu_arch)
+        limits = capacity.limits_from_profiles(list(record.profiles))
+        result = capacity.plan(figures, record.capacity.workload(), limits)
         return capacity.markdown(result).rstrip("\n").split("\n")
     except capacity.FiguresError as e:
         found = str(e).rpartition("; found ")[2]
@@ -127,7 +128,7 @@ def restore_card(run_id: str, text: str) -> None:
     _client().log_text(run_id, text, ENGINE_CARD)
 
 
-def finish_candidate(run_id: str, spec: PipelineSpec, outcome: CandidateOutcome, figure: bytes | None = None) -> None:
+def finish_candidate(run_id: str, record: RunSettings, outcome: CandidateOutcome, figure: bytes | None = None) -> None:
     """Record what was decided on the candidate's run: final status, the reason, the engine card (as
     markdown, and as HTML with the run's summary figure `figure` inside, which the UI shows as a page)."""
     tags = {"status": outcome.status, "gate": gate_tag(outcome), "decision_reason": outcome.reason[:MAX_TAG_CHARS],
@@ -138,12 +139,12 @@ def finish_candidate(run_id: str, spec: PipelineSpec, outcome: CandidateOutcome,
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     metrics = stage_metrics(outcome.stages)
-    client.log_text(run_id, engine_card(spec, outcome, metrics, SUMMARY_FIGURE if figure else None),
+    client.log_text(run_id, engine_card(record, outcome, metrics, SUMMARY_FIGURE if figure else None),
                     "engine_card.md")
     if figure:
         _log_bytes(client, run_id, figure, SUMMARY_FIGURE)
         embedded = f"data:image/png;base64,{base64.b64encode(figure).decode()}"
-        client.log_text(run_id, _html(outcome.candidate.name, engine_card(spec, outcome, metrics, embedded)),
+        client.log_text(run_id, _html(outcome.candidate.name, engine_card(record, outcome, metrics, embedded)),
                         "engine_card.html")
 
 

@@ -13,7 +13,7 @@ import math
 import platform
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,7 +22,8 @@ from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from tasks.config.spec import PipelineSpec
+from tasks.config.settings import RunSettings
+from tasks.config.spec import PipelineSpec, TargetSpec
 from tasks.outcome import CandidateOutcome
 from tasks.registry.client import _client, tracking_server, tracking_uri
 from tasks.runtime import killpoints
@@ -137,10 +138,6 @@ def _artifacts_beside_the_store(experiment: str) -> str | None:
     return (beside / experiment.replace("/", "-")).as_uri()
 
 
-def _model_tag(spec: PipelineSpec) -> str:
-    return spec.model.id or spec.model.path or ""
-
-
 def flatten(value: Any, prefix: str = "") -> dict[str, str]:
     """Nested config as dotted MLflow params; lists stay whole (as JSON) so a param is one setting."""
     if isinstance(value, dict):
@@ -161,7 +158,7 @@ def pipeline_run(spec: PipelineSpec, run_name: str, params: dict[str, Any]) -> I
     """
     client = _client()
     close_stale_runs(spec.name)
-    tags = {"model": _model_tag(spec), "pipeline": spec.name, OWNER_TAG: owner_tag()}
+    tags = {"model": spec.model.named, "pipeline": spec.name, OWNER_TAG: owner_tag()}
     experiment_id = _experiment_id(client, spec.name)
     run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
     save_outcome_view(client, experiment_id)
@@ -188,8 +185,7 @@ def _ended_by(error: BaseException) -> str:
     return "FAILED" if isinstance(error, Exception) else "KILLED"
 
 
-def _arch(spec: PipelineSpec, outcome: CandidateOutcome) -> str:
-    target = spec.target(outcome.candidate.target)
+def _arch(target: TargetSpec, outcome: CandidateOutcome) -> str:
     if target.gpu_arch:
         return target.gpu_arch
     build = outcome.stages.get("build")
@@ -206,15 +202,15 @@ def gate_tag(outcome: CandidateOutcome) -> str:
     return "pending" if outcome.status == "pending" or outcome.status == "passed" and not outcome.gates else "failed"
 
 
-def candidate_tags(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, str]:
+def candidate_tags(record: RunSettings, outcome: CandidateOutcome) -> dict[str, str]:
     candidate = outcome.candidate
-    target = spec.target(candidate.target)
+    target = record.target(candidate.target)
     build = outcome.stages.get("build")
     tags = {  # what was decided first: the run page lists tags in the order they were first set
         "status": outcome.status, "decision_reason": outcome.reason or "not decided yet", "gate": gate_tag(outcome),
         "gate_reasons": "; ".join(outcome.gate_reasons),
-        "candidate": candidate.name, "pipeline": candidate.pipeline, "model": _model_tag(spec),
-        "precision": candidate.precision, "target": candidate.target, "arch": _arch(spec, outcome),
+        "candidate": candidate.name, "pipeline": candidate.pipeline, "model": record.model,
+        "precision": candidate.precision, "target": candidate.target, "arch": _arch(target, outcome),
         "backend": build.outputs.get("backend", target.backend) if build else target.backend,
         "rebuilt": ",".join(name for name, stage in outcome.stages.items() if not stage.cached) or "none",
     }
@@ -231,14 +227,14 @@ def candidate_tags(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, s
     return {k: v[:MAX_TAG_CHARS] for k, v in tags.items()}
 
 
-def candidate_params(spec: PipelineSpec, outcome: CandidateOutcome) -> dict[str, str]:
+def candidate_params(record: RunSettings, outcome: CandidateOutcome) -> dict[str, str]:
     """Precision and target config: what differs between sibling candidates in the compare view."""
     precision: dict[str, Any] = {"name": outcome.candidate.precision}
     if outcome.candidate.precision == "int8":
-        precision |= {"quantization": spec.quantization.model_dump(mode="json")}
-    if spec.calibrated(outcome.candidate):
-        precision |= {"calibration": spec.calibration.model_dump(mode="json")}
-    target = spec.target(outcome.candidate.target).model_dump(mode="json")
+        precision |= {"quantization": record.quantization.model_dump(mode="json")}
+    if record.calibrated(outcome.candidate):
+        precision |= {"calibration": record.calibration.model_dump(mode="json")}
+    target = record.target(outcome.candidate.target).model_dump(mode="json")
     return flatten({"precision": precision, "target": target})
 
 
@@ -322,10 +318,10 @@ def _ui_base() -> str:
     return f"{server.scheme}://{server.netloc.rpartition('@')[2]}{server.path}".rstrip("/")  # no user:password
 
 
-def headline_metrics(spec: PipelineSpec, metrics: dict[str, float]) -> dict[str, float]:
+def headline_metrics(gated_accuracy: Sequence[str], metrics: dict[str, float]) -> dict[str, float]:
     """A handful of copies named to sort first: speedup, throughput, p99, the gated accuracy, engine size."""
     picks = {"speedup": "speedup_vs_reference", "throughput": "throughput", "p99_ms": "p99_ms"}
-    gated = list(spec.accuracy.gates) or sorted(k.removeprefix("accuracy.") for k in metrics
+    gated = list(gated_accuracy) or sorted(k.removeprefix("accuracy.") for k in metrics
                                                 if k.startswith("accuracy."))[:1]
     picks |= {name: f"accuracy.{name}" for name in gated}
     headline = {f"{HEADLINE_PREFIX}{short}": metrics[name] for short, name in picks.items() if name in metrics}

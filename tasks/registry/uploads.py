@@ -17,7 +17,7 @@ import yaml
 from mlflow.models import ModelSignature
 from mlflow.types import Schema, TensorSpec
 
-from tasks.config.spec import PipelineSpec, registered_model_name
+from tasks.config.spec import registered_model_name
 from tasks.outcome import CandidateOutcome
 from tasks.registry.client import _client
 from tasks.registry.runs import experiment_name
@@ -31,7 +31,7 @@ ENGINE_SOURCE_TAG = "engine_source"  # the engine's copy in MLflow when the run 
 ENGINE_CHECK_TAG = "engine_check"  # "passed", or why not: the verdict of the host that built the engine
 
 
-def _log_engine(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
+def _log_engine(pipeline: str, outcome: CandidateOutcome) -> None:
     """Upload the engine unless MLflow already holds this exact one: nightly re-runs add no copies.
 
     Held already: by a registry version of these very bytes, or by an earlier run of this
@@ -44,13 +44,13 @@ def _log_engine(spec: PipelineSpec, outcome: CandidateOutcome) -> None:
     build = outcome.stages.get("build")
     if build is None:
         return
-    name = registered_model_name(spec.name, outcome.candidate.target)
+    name = registered_model_name(pipeline, outcome.candidate.target)
     holder = versions_of_engine(name, engine_identity(build), build.key) if build.cached else []
     if holder:
         mlflow.set_tag(ENGINE_SOURCE_TAG, f"models:/{name}/{holder[0].version}")
         return
     digest = engine_check.engine_digest(build, engine_check.verify_files(build))
-    earlier = _earlier_upload(spec.name, build.key, digest) if build.cached else None
+    earlier = _earlier_upload(pipeline, build.key, digest) if build.cached else None
     if earlier:
         mlflow.set_tags({ENGINE_SOURCE_TAG: f"runs:/{earlier}/engine", ENGINE_DIGEST_TAG: digest})
         return

@@ -16,7 +16,7 @@ from typing import Any
 import mlflow
 from mlflow.exceptions import MlflowException
 
-from tasks.config.spec import PipelineSpec, registered_model_name
+from tasks.config.settings import RegistrySettings
 from tasks.outcome import CandidateOutcome, Champion
 from tasks.registry.client import _client
 from tasks.registry.runs import EVAL_DATA_TAG
@@ -78,11 +78,11 @@ def show_outbox(registered_model: str, version: str) -> None:
                         f"outbox/{registered_model}-v{version}.json")
 
 
-def champion(spec: PipelineSpec, target_name: str) -> Champion | None:
+def champion(registry: RegistrySettings, target_name: str) -> Champion | None:
     """The version holding the promotion alias for (pipeline, target), or None."""
-    name = registered_model_name(spec.name, target_name)
+    name = registry.model_name(target_name)
     try:
-        found = _client().get_model_version_by_alias(name, spec.promotion.alias)
+        found = _client().get_model_version_by_alias(name, registry.alias)
     except MlflowException as e:
         if _alias_missing(e):
             return None
@@ -98,7 +98,7 @@ def as_champion(name: str, found: Any) -> Champion:
                     model_source=found.tags.get(MODEL_SOURCE_TAG) or None)
 
 
-def previous_version(spec: PipelineSpec, target_name: str, precision: str, engine: StageResult | None,
+def previous_version(registry: RegistrySettings, target_name: str, precision: str, engine: StageResult | None,
                      eval_text: str | None) -> dict[str, Any] | None:
     """The newest registered version of the same (pipeline, precision, target) holding another engine than today's
     build `engine` (by engine identity, as promotion knows a version: a rebuild with other bytes under the same key
@@ -107,7 +107,7 @@ def previous_version(spec: PipelineSpec, target_name: str, precision: str, engin
     the record, counts as such), with its run's metrics: what the accuracy regression gate compares with. When every
     such version was measured on other text, the newest of them with `other_data` set instead: figures from another
     text are no yardstick."""
-    name = registered_model_name(spec.name, target_name)
+    name = registry.model_name(target_name)
     try:
         versions = find_versions(name, {"precision": precision})
     except MlflowException as e:

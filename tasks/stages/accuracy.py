@@ -9,7 +9,6 @@ at the usual shape and wrong (NaN, wrong shape) only at the edges.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,13 +16,14 @@ import numpy as np
 import pandas as pd
 
 from tasks.backends.base import Runner, get_backend
-from tasks.config.spec import PipelineSpec, ProfileSpec, TargetSpec, ValidationSpec
+from tasks.config.spec import ProfileSpec
+from tasks.config.stage_settings import AccuracyConfig
 from tasks.runtime import killpoints
 from tasks.runtime.stage_runner import Work, run_stage
 from tasks.runtime.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
 from tasks.stages.build import open_engine
 from tasks.stages.inputs import decoder_feeds, encoder_feeds, point_feeds, read_texts, reference_outputs
-from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.models import load_reference, load_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -33,27 +33,6 @@ CHUNK = 8
 THREE_WAY = "three_way.json"
 TOOLS = ("torch", "transformers", "numpy")
 CODE = ("tasks.stages.accuracy", "tasks.stages.inputs")  # what the stage computes: their source is part of the key
-
-
-@dataclass(frozen=True)
-class AccuracyConfig:
-    """What the accuracy stage reads of a pipeline: the model (reference, tokenizer, task), how many lines of
-    which held-out text at which length (`accuracy:` without its gates, which only read the metrics), the
-    profiles it checks validity at, the targets an engine may be built for (it runs on its own), and the
-    validation tolerances a three-way comparison (TensorRT) reports against."""
-
-    source: ModelSource
-    samples: int
-    seq_len: int
-    data_path: Path
-    profiles: tuple[ProfileSpec, ...]
-    targets: tuple[TargetSpec, ...]
-    validation: ValidationSpec
-
-    @classmethod
-    def of(cls, spec: PipelineSpec) -> AccuracyConfig:
-        return cls(ModelSource.of(spec), spec.accuracy.samples, spec.accuracy.seq_len, spec.resolve(spec.accuracy.data),
-                   tuple(spec.profiles), tuple(spec.targets), spec.validation)
 
 
 def eval_data(data_path: Path, samples: int) -> str:
@@ -66,11 +45,6 @@ def measured_on(accuracy: StageResult | None) -> str | None:
     """The eval text an accuracy result was measured on (`eval_data`), as its stage recorded it; None for a result
     from before that was recorded."""
     return (accuracy.manifest.get("inputs") or {}).get("eval_data") if accuracy else None
-
-
-def accuracy_key(build_result: StageResult, spec: PipelineSpec) -> str:
-    """Hash of the engine, the accuracy settings (not the gates, which only read metrics) and the eval text."""
-    return accuracy_work(AccuracyConfig.of(spec), build_result, None).key
 
 
 def _settings(config: AccuracyConfig) -> dict[str, Any]:
@@ -111,10 +85,10 @@ def accuracy_work(config: AccuracyConfig, build_result: StageResult, store: Arti
     return Work(config.source.pipeline, "accuracy", parts, CODE, produce, inputs=inputs, config=settings, tools=tools)
 
 
-def run_accuracy(spec: PipelineSpec, build_result: StageResult, store: ArtifactStore,
+def run_accuracy(config: AccuracyConfig, build_result: StageResult, store: ArtifactStore,
                  force: bool = False) -> StageResult:
     """Metrics, a per-sample table and the validity verdict for one engine."""
-    return run_stage(accuracy_work(AccuracyConfig.of(spec), build_result, store), store, force)
+    return run_stage(accuracy_work(config, build_result, store), store, force)
 
 
 def _eval_profile(config: AccuracyConfig) -> ProfileSpec:

@@ -27,7 +27,8 @@ import numpy as np
 import pandas as pd
 
 from tasks.backends.base import Runner
-from tasks.config.spec import BenchmarkSpec, ModelSpec, PipelineSpec, ProfileSpec, TargetSpec, at_point
+from tasks.config.spec import BenchmarkSpec, ModelSpec, ProfileSpec, at_point
+from tasks.config.stage_settings import BenchmarkConfig
 from tasks.measure import stats
 from tasks.measure.hostload import LoadWatch
 from tasks.measure.rounds import Contender, Rounds, measure_rounds
@@ -39,7 +40,7 @@ from tasks.runtime.store import ArtifactStore, StageResult, StageWriter, file_di
 from tasks.stages.build import open_engine
 from tasks.stages.champion import built_from, cannot_run_here, same_engine
 from tasks.stages.inputs import PAST_PREFIX, past_cache, past_layers, point_feeds, read_texts
-from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.models import load_reference, load_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -76,27 +77,6 @@ class LatencySamples:
                 "mean_ms": self.mean_ms, "throughput": batch / median_s, "tokens_per_s": tokens_per_call / median_s}
 
 
-@dataclass(frozen=True)
-class BenchmarkConfig:
-    """What the benchmark reads of a pipeline for one target: the model (the reference it times, its tokenizer
-    and task), the target measured (its threads; a GPU one times the reference on the GPU), the targets its
-    engines may be built for (each runs on its own), `benchmark:`, the gate point (it reads `performance:`),
-    the profiles (the past a KV graph prefills on) and the evaluation text it feeds."""
-
-    source: ModelSource
-    target: TargetSpec
-    targets: tuple[TargetSpec, ...]
-    settings: BenchmarkSpec
-    gate_point: dict[str, int]
-    profiles: tuple[ProfileSpec, ...]
-    data_path: Path
-
-    @classmethod
-    def of(cls, spec: PipelineSpec, target_name: str) -> BenchmarkConfig:
-        return cls(ModelSource.of(spec), spec.target(target_name), tuple(spec.targets), spec.benchmark,
-                   spec.gate_point, tuple(spec.profiles), spec.resolve(spec.accuracy.data))
-
-
 def benchmark_threads(settings: BenchmarkSpec, target_threads: int | None) -> int:
     """One thread count for every engine and the reference: benchmark.threads, else the target's, else all cores."""
     return settings.threads or target_threads or os.cpu_count() or 1
@@ -106,16 +86,6 @@ def _settings(config: BenchmarkConfig) -> dict[str, Any]:
     return {"task": config.source.model.task, "benchmark": config.settings.model_dump(mode="json"),
             "gate_point": config.gate_point,
             "threads": benchmark_threads(config.settings, config.target.intra_op_threads), "method": stats.METHOD}
-
-
-def benchmark_key(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult],
-                  champion: Champion | None) -> str:
-    """Hash of the engines measured together, the champion's engine, the settings and this host.
-
-    The champion counts only when it is not one of the candidates (an engine with the champion's
-    bytes is the champion), so a candidate that becomes champion keeps its measurement.
-    """
-    return benchmark_work(BenchmarkConfig.of(spec, target_name), builds, champion).key
 
 
 def _extra_champion(champion: Champion | None, builds: dict[str, StageResult]) -> bool:
@@ -169,7 +139,7 @@ def benchmark_work(config: BenchmarkConfig, builds: dict[str, StageResult], cham
                 reusable=_uncontended)
 
 
-def run_benchmark(spec: PipelineSpec, target_name: str, builds: dict[str, StageResult], store: ArtifactStore,
+def run_benchmark(config: BenchmarkConfig, builds: dict[str, StageResult], store: ArtifactStore,
                   champion: Champion | None = None, champion_build: Callable[[], StageResult] | None = None,
                   force: bool = False, open_runner: OpenRunner = open_engine) -> StageResult:
     """Time every engine in `builds` (candidate name -> build output) for one target, side by side.
@@ -179,8 +149,7 @@ def run_benchmark(spec: PipelineSpec, target_name: str, builds: dict[str, StageR
     `open_runner` opens an engine on the target it was built for, given the pipeline's targets (a loader,
     Polygraphy-style); benchmarks pass one that wraps it.
     """
-    return run_stage(benchmark_work(BenchmarkConfig.of(spec, target_name), builds, champion, champion_build,
-                                    open_runner), store, force)
+    return run_stage(benchmark_work(config, builds, champion, champion_build, open_runner), store, force)
 
 
 def for_candidate(result: StageResult, candidate: str, champion: Champion | None = None) -> StageResult:

@@ -14,18 +14,18 @@ import functools
 import importlib.util
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tasks.backends.base import GRAPHS, Backend, BackendUnavailable, Runner, get_backend
 from tasks.backends.table import BACKENDS
-from tasks.config.spec import PipelineSpec, ProfileSpec, TargetSpec
+from tasks.config.spec import ProfileSpec, TargetSpec
+from tasks.config.stage_settings import BuildConfig
 from tasks.runtime import killpoints
 from tasks.runtime.stage_runner import Work, run_stage
 from tasks.runtime.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
-from tasks.stages.calibration_feeds import CalibrationSource, prompt_batches
-from tasks.stages.models import ModelSource, model_source_digest
+from tasks.stages.calibration_feeds import prompt_batches
+from tasks.stages.models import model_source_digest
 
 STAGE = "build"
 CODE = ("tasks.stages.build",)  # what the stage computes (with the backend's module): part of the key
@@ -34,26 +34,6 @@ TORCH_TOOLS = ("torch", "transformers")
 
 class BuildUnavailable(BackendUnavailable):
     """This machine cannot build the target (runtime absent, wrong GPU); the message says why."""
-
-
-@dataclass(frozen=True)
-class BuildConfig:
-    """What a build reads of a pipeline: the target and precision it builds for and the profiles its engine
-    accepts. A backend that builds from the model itself (`source = "torch"`) also reads the model (the
-    others only its pipeline name, for messages) and, where its build calibrates, the calibration feeds
-    (`calibration`, else None)."""
-
-    source: ModelSource
-    target: TargetSpec
-    precision: str | None
-    profiles: tuple[ProfileSpec, ...]
-    calibration: CalibrationSource | None
-
-    @classmethod
-    def of(cls, spec: PipelineSpec, target_name: str, precision: str | None) -> BuildConfig:
-        target = spec.target(target_name)
-        return cls(ModelSource.of(spec), target, precision, tuple(spec.profiles),
-                   CalibrationSource.of(spec) if target.calibrates(precision) else None)
 
 
 def build_key(precision_result: StageResult, target: TargetSpec, backend: Backend,
@@ -181,11 +161,11 @@ def torch_upstream(config: BuildConfig) -> dict[str, Any]:
     return upstream
 
 
-def run_build(spec: PipelineSpec, precision_result: StageResult | None, target_name: str, store: ArtifactStore,
-              force: bool = False, precision: str | None = None) -> StageResult:
-    """The engine for `target_name`; raises BuildUnavailable when this machine cannot build it."""
-    precision = precision or (precision_result.outputs.get("precision") if precision_result else None)
-    return run_stage(build_work(BuildConfig.of(spec, target_name, precision), precision_result), store, force)
+def run_build(config: BuildConfig, precision_result: StageResult | None, store: ArtifactStore,
+              force: bool = False) -> StageResult:
+    """The engine for the config's target, from the precision stage's graph (None: a backend that builds from
+    the model); raises BuildUnavailable when this machine cannot build it."""
+    return run_stage(build_work(config, precision_result), store, force)
 
 
 def open_engine(targets: Sequence[TargetSpec], build_result: StageResult, threads: int | None = None) -> Runner:

@@ -5,32 +5,11 @@ One definition, so that the precision stage and a calibrating build see the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 
-from tasks.config.spec import CalibrationSpec, PipelineSpec
+from tasks.config.stage_settings import CalibrationSource
 from tasks.stages import inputs
-from tasks.stages.models import ModelSource, load_reference, load_tokenizer
-
-
-@dataclass(frozen=True)
-class CalibrationSource:
-    """What calibration feeds are made of: the model (its tokenizer, and the reference that computes a decoder's
-    KV cache), `calibration:` with its text resolved (`data_path`), and the past length decoders with a KV
-    cache calibrate at (the first profile's typical one; 0 otherwise)."""
-
-    source: ModelSource
-    calibration: CalibrationSpec
-    data_path: Path
-    past: int
-
-    @classmethod
-    def of(cls, spec: PipelineSpec) -> CalibrationSource:
-        first = spec.profiles[0]
-        past = first.past[1] if spec.model.has_past and first.past else 0
-        return cls(ModelSource.of(spec), spec.calibration, spec.resolve(spec.calibration.data), past)
+from tasks.stages.models import load_reference, load_tokenizer
 
 
 def calibration_batches(calib: CalibrationSource, input_names: list[str],

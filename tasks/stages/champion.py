@@ -15,7 +15,6 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from tasks.config.spec import PipelineSpec
 from tasks.outcome import Champion
 from tasks.registry import tracking
 from tasks.runtime.store import MANIFEST, ArtifactStore, StageResult, file_digest
@@ -80,14 +79,14 @@ def _intact(engine_dir: Path) -> dict | None:
     return manifest
 
 
-def champion_build(spec: PipelineSpec, champion: Champion, store: ArtifactStore) -> StageResult:
+def champion_build(pipeline: str, champion: Champion, store: ArtifactStore) -> StageResult:
     """The champion's build output: from the store when it holds the champion's very bytes, else downloaded
     from the registry and verified.
 
     A damaged store entry is left where it is (the build stage moves it aside and says so in its
     result); the champion then comes from the registry.
     """
-    if champion.build_key and (hit := store.check(spec.name, "build", champion.build_key, repair=False)[0]) \
+    if champion.build_key and (hit := store.check(pipeline, "build", champion.build_key, repair=False)[0]) \
             and same_engine(champion, hit):  # a rebuild under the same key is not the champion's engine
         return hit
     final = store.root / CHAMPIONS_DIR / champion.registered_model / champion.version
@@ -107,4 +106,4 @@ def champion_build(spec: PipelineSpec, champion: Champion, store: ArtifactStore)
             os.replace(got, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return StageResult(spec.name, "build", manifest.get("key", champion.build_key or ""), final, manifest, cached=True)
+    return StageResult(pipeline, "build", manifest.get("key", champion.build_key or ""), final, manifest, cached=True)

@@ -12,10 +12,12 @@ from the signature the build or export recorded. Outputs must be finite.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from tasks.config.spec import ProfileSpec, TargetSpec
 from tasks.runtime.store import StageResult, file_digest
 
 
@@ -92,21 +94,22 @@ def signature_feeds(io: dict[str, Any], shape: dict[str, int]) -> dict[str, np.n
     return feeds
 
 
-def run_once(spec: Any, stages: dict[str, StageResult]) -> None:
-    """Load the engine on its target and run it once at the first profile's min point."""
+def run_once(targets: Sequence[TargetSpec], profiles: Sequence[ProfileSpec], stages: dict[str, StageResult]) -> None:
+    """Load the engine on its target (found among the pipeline's `targets`) and run it once at the first profile's
+    min point."""
     from tasks.stages.build import open_engine
 
     build = stages["build"]
     io = next((s.outputs for s in (stages.get("build"), stages.get("export"))
                if s and s.outputs.get("inputs")), None)
     try:
-        runner = open_engine(spec.targets, build)
+        runner = open_engine(targets, build)
     except Exception as e:  # noqa: BLE001 - any load error means the engine is unusable
         raise EngineRejected(f"{build.path}: the engine does not load: {type(e).__name__}: {e}") from e
     with runner:
         if io is None:
             return
-        shape = spec.profiles[0].shapes()["min"]
+        shape = profiles[0].shapes()["min"]
         feeds = signature_feeds(io, shape)
         wanted = getattr(runner, "input_names", None) or list(feeds)
         try:
@@ -118,10 +121,11 @@ def run_once(spec: Any, stages: dict[str, StageResult]) -> None:
         raise EngineRejected(f"{build.path}: outputs {bad} have NaN/Inf values at {shape}")
 
 
-def check_before_registering(spec: Any, stages: dict[str, StageResult], uploaded_digest: str | None) -> None:
+def check_before_registering(targets: Sequence[TargetSpec], profiles: Sequence[ProfileSpec],
+                             stages: dict[str, StageResult], uploaded_digest: str | None) -> None:
     """Raise EngineRejected unless the engine's files are intact (and as uploaded) and it loads and runs."""
     build = stages["build"]
     digests = verify_files(build)
     if uploaded_digest and engine_digest(build, digests) != uploaded_digest:
         raise EngineRejected(f"{build.path}: the engine's files changed since they were uploaded to MLflow")
-    run_once(spec, stages)
+    run_once(targets, profiles, stages)

@@ -9,37 +9,24 @@ validate stage compares against PyTorch at every profile shape instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import onnx
 
-from tasks.config.spec import PipelineSpec
+from tasks.config.stage_settings import ExportConfig, ModelSource
 from tasks.runtime import killpoints
 from tasks.runtime.stage_runner import Work, run_stage
 from tasks.runtime.store import ArtifactStore, StageResult, StageWriter, tool_versions
-from tasks.stages.models import ModelSource, classifier_pad_token_id, load_tokenizer, model_source_digest
+from tasks.stages.models import classifier_pad_token_id, load_tokenizer, model_source_digest
 
 ONNX_FILE = "model.onnx"
 TOOLS = ("torch", "transformers", "optimum", "optimum-onnx", "onnx")
 CODE = ("tasks.stages.export",)  # what the stage computes: its source is part of the key
 
 
-@dataclass(frozen=True)
-class ExportConfig:
-    """What the export reads of a pipeline: the model and the opset (its key is made of these)."""
-
-    source: ModelSource
-    opset: int
-
-    @classmethod
-    def of(cls, spec: PipelineSpec) -> ExportConfig:
-        return cls(ModelSource.of(spec), spec.export.opset)
-
-
-def export_key(spec: PipelineSpec) -> str:
-    return export_work(ExportConfig.of(spec)).key
+def export_key(config: ExportConfig) -> str:
+    return export_work(config).key
 
 
 def export_work(config: ExportConfig) -> Work:
@@ -58,9 +45,9 @@ def export_work(config: ExportConfig) -> Work:
                 inputs={"model_source": digest}, config=settings, tools=tools)
 
 
-def run_export(spec: PipelineSpec, store: ArtifactStore, force: bool = False) -> StageResult:
+def run_export(config: ExportConfig, store: ArtifactStore, force: bool = False) -> StageResult:
     """Export the model to artifacts/<pipeline>/export/<key>/model.onnx with its tokenizer and config."""
-    return run_stage(export_work(ExportConfig.of(spec)), store, force)
+    return run_stage(export_work(config), store, force)
 
 
 def _export(model: ModelSource, out_dir: Path, opset: int) -> None:

@@ -7,11 +7,10 @@ offline machine never waits on the network.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.config.spec import ModelSpec, PipelineSpec
+from tasks.config.stage_settings import ModelSource
 from tasks.runtime.store import tree_digest
 
 if TYPE_CHECKING:
@@ -24,20 +23,6 @@ _AUTO_CLASSES = {
     "text-generation": "AutoModelForCausalLM",
     "text-generation-with-past": "AutoModelForCausalLM",
 }
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """What the loaders read of a pipeline: its name (for messages), its `model:` and the local directory
-    that model.path names, resolved against pipelines.yaml (None: the hub)."""
-
-    pipeline: str
-    model: ModelSpec
-    directory: Path | None
-
-    @classmethod
-    def of(cls, spec: PipelineSpec) -> ModelSource:
-        return cls(spec.name, spec.model, spec.model_dir)
 
 
 def _source(source: ModelSource) -> tuple[str, dict[str, Any]]:

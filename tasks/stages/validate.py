@@ -13,18 +13,16 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tasks.config.spec import PipelineSpec, ProfileSpec, ValidationSpec
+from tasks.config.stage_settings import ValidateConfig
 from tasks.runtime.error_text import described
 from tasks.runtime.stage_runner import Work, run_stage
 from tasks.runtime.store import ArtifactStore, StageResult, StageWriter, file_digest, tool_versions
 from tasks.stages.inputs import point_feeds, read_texts, reference_outputs
-from tasks.stages.models import ModelSource, load_reference, load_tokenizer
+from tasks.stages.models import load_reference, load_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -75,25 +73,8 @@ def torch_reference_runner(model: torch.nn.Module, task: str, inputs: dict[str, 
     return TorchReferenceRunner()
 
 
-@dataclass(frozen=True)
-class ValidateConfig:
-    """What validation reads of a pipeline: the model, the tolerances, the profiles whose points it compares
-    at, and the text it feeds (`data` as written in pipelines.yaml, `data_path` resolved)."""
-
-    source: ModelSource
-    validation: ValidationSpec
-    profiles: tuple[ProfileSpec, ...]
-    data: str
-    data_path: Path
-
-    @classmethod
-    def of(cls, spec: PipelineSpec) -> ValidateConfig:
-        return cls(ModelSource.of(spec), spec.validation, tuple(spec.profiles), spec.accuracy.data,
-                   spec.resolve(spec.accuracy.data))
-
-
-def validate_key(export_result: StageResult, spec: PipelineSpec) -> str:
-    return validate_work(ValidateConfig.of(spec), export_result).key
+def validate_key(config: ValidateConfig, export_result: StageResult) -> str:
+    return validate_work(config, export_result).key
 
 
 def validate_work(config: ValidateConfig, export_result: StageResult) -> Work:
@@ -273,7 +254,7 @@ def compare(config: ValidateConfig, export_result: StageResult) -> dict[str, Any
             "failures": nan_inf + failures}
 
 
-def run_validate(spec: PipelineSpec, export_result: StageResult, store: ArtifactStore,
+def run_validate(config: ValidateConfig, export_result: StageResult, store: ArtifactStore,
                  force: bool = False) -> StageResult:
     """Compare the export with PyTorch; raise ValidationFailed (writing nothing) when it disagrees."""
-    return run_stage(validate_work(ValidateConfig.of(spec), export_result), store, force)
+    return run_stage(validate_work(config, export_result), store, force)

@@ -19,4 +19,4 @@ def review(judging: Judging, node: str) -> Judging:
 
 
 REVIEW = Judge("toy-review", "candidate", after=("gate",), before=("decide",), act=review,
-               reads=lambda spec: "the candidate's gated verdict")
+               reads=lambda registry: "the candidate's gated verdict")
