@@ -712,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         # Prefect's temporary server gets 20 s to start by default; a busy 2-core machine needs longer.
         os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
         _bound_client_retries()
+        _quiet_prefect_log_worker()
         if command not in ("validate", "plan"):
             from tasks.runtime import scratch
 
@@ -731,7 +732,6 @@ def main(argv: list[str] | None = None) -> int:
 
         if not isinstance(e, ServerLost):
             raise
-        _quiet_prefect_log_worker()
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
     finally:
@@ -755,8 +755,10 @@ def _bound_client_retries() -> None:
 
 
 def _quiet_prefect_log_worker() -> None:
-    """The Prefect server is gone: its log worker's failed sends at exit would print `--- Error logging to
-    API ---` under the line that already says so."""
+    """Prefect's log worker reports a send that failed by writing `--- Error logging to API ---` and the error,
+    with no newline, whenever its retries run out: on a server that died it lands in the middle of the line in
+    which smelter names the lost server (or of a stage's line). smelter says that itself, so the worker is quiet
+    for the whole command (as `logging.raiseExceptions = False` makes every logging handler)."""
     logging.raiseExceptions = False
 
 
