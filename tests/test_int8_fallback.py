@@ -21,7 +21,7 @@ from tasks.stages.accuracy import cosine, mean_pool
 from tasks.stages.export import run_export
 from tasks.stages.inputs import encoder_feeds, read_texts
 from tasks.stages.models import load_tokenizer
-from tasks.stages.precision import CPU_MODEL_FILE, MODEL_FILE, precision_key, run_precision
+from tasks.stages.precision import CPU_MODEL_FILE, MODEL_FILE, PrecisionConfig, precision_work, run_precision
 from tests.fixtures.models import MINILM_TOKENIZER_FILES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,8 +78,8 @@ def built(outlier_bert_dir, tmp_path_factory):
     store = ArtifactStore(root / "artifacts")
     exported = run_export(ExportConfig.of(plain), store)
     with_fallback = _spec(root, outlier_bert_dir, accuracy_fallback={"max_float_share": 0.2})
-    return (exported, run_precision(plain, exported, "int8", store),
-            run_precision(with_fallback, exported, "int8", store), with_fallback)
+    return (exported, run_precision(PrecisionConfig.of(plain, "int8"), exported, store),
+            run_precision(PrecisionConfig.of(with_fallback, "int8"), exported, store), with_fallback)
 
 
 def _eval_cosine_mean(spec, exported, graph: Path) -> float:
@@ -135,7 +135,7 @@ def test_a_cpu_only_pipeline_keeps_the_same_nodes_float_without_publishing_the_q
     """The fallback measures the Q/DQ graph even where no target builds from it (quantized into scratch)."""
     exported, _, fallback, spec = built
     cpu_only = spec.model_copy(update={"targets": [t for t in spec.targets if t.backend == "onnxruntime"]})
-    alone = run_precision(cpu_only, exported, "int8", ArtifactStore(tmp_path))
+    alone = run_precision(PrecisionConfig.of(cpu_only, "int8"), exported, ArtifactStore(tmp_path))
     assert not alone.file(MODEL_FILE).exists()
     assert alone.outputs["accuracy_fallback"]["kept"] == fallback.outputs["accuracy_fallback"]["kept"]
     assert file_digest(alone.file(CPU_MODEL_FILE)) == file_digest(fallback.file(CPU_MODEL_FILE))
@@ -144,7 +144,8 @@ def test_a_cpu_only_pipeline_keeps_the_same_nodes_float_without_publishing_the_q
 def test_a_budget_too_small_is_recorded_as_not_passing(built, outlier_bert_dir: Path, tmp_path: Path) -> None:
     exported = built[0]
     spec = _spec(tmp_path, outlier_bert_dir, accuracy_fallback={"max_float_share": 0.01})
-    record = run_precision(spec, exported, "int8", ArtifactStore(tmp_path / "artifacts")).outputs["accuracy_fallback"]
+    config = PrecisionConfig.of(spec, "int8")
+    record = run_precision(config, exported, ArtifactStore(tmp_path / "artifacts")).outputs["accuracy_fallback"]
     assert record["needed"] and not record["passed"] and record["kept"] == []
     assert record["failing"] and record["failing"][0].startswith("cosine_mean ")
 
@@ -168,4 +169,5 @@ def test_the_gate_the_fallback_aims_at_is_part_of_the_int8_key(built) -> None:
     exported, _, _, spec = built
     stricter = spec.model_copy(update={"accuracy": spec.accuracy.model_copy(
         update={"gates": {"cosine_mean": spec_module.Threshold(min=0.999)}})})
-    assert precision_key(exported, stricter, "int8") != precision_key(exported, spec, "int8")
+    stricter_key = precision_work(PrecisionConfig.of(stricter, "int8"), exported).key
+    assert stricter_key != precision_work(PrecisionConfig.of(spec, "int8"), exported).key

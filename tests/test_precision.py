@@ -23,9 +23,10 @@ from tasks.stages.precision import (
     CPU_MODEL_FILE,
     MODEL_FILE,
     fused_exclusions,
-    uncalibrated,
-    precision_key,
+    PrecisionConfig,
+    precision_work,
     run_precision,
+    uncalibrated,
 )
 from tasks.stages.qdq_lint import lint_qdq
 
@@ -60,7 +61,7 @@ def bert(tiny_bert_dir, tmp_path_factory):
     spec = _write_spec(root, tiny_bert_dir)
     store = ArtifactStore(root / "artifacts")
     exported = run_export(ExportConfig.of(spec), store)
-    results = {p: run_precision(spec, exported, p, store) for p in ("fp32", "fp16", "int8")}
+    results = {p: run_precision(PrecisionConfig.of(spec, p), exported, store) for p in ("fp32", "fp16", "int8")}
     return spec, store, exported, results
 
 
@@ -156,7 +157,7 @@ def test_int8_writes_only_the_graph_its_targets_build_from(bert, tmp_path, backe
     a pipeline with both targets gets, from the same calibration."""
     spec, _, exported, results = bert
     alone = spec.model_copy(update={"targets": [t for t in spec.targets if t.backend == backend]})
-    int8 = run_precision(alone, exported, "int8", ArtifactStore(tmp_path))
+    int8 = run_precision(PrecisionConfig.of(alone, "int8"), exported, ArtifactStore(tmp_path))
     assert not int8.file(absent).exists() and absent not in int8.outputs["graphs"].values()
     assert file_digest(int8.file(written)) == file_digest(results["int8"].file(written))
     assert int8.file(CALIBRATION_FILE).read_text() == results["int8"].file(CALIBRATION_FILE).read_text()
@@ -167,21 +168,25 @@ def test_int8_writes_only_the_graph_its_targets_build_from(bert, tmp_path, backe
 
 def test_second_run_is_cached(bert):
     spec, store, exported, results = bert
-    again = run_precision(spec, exported, "int8", store)
+    again = run_precision(PrecisionConfig.of(spec, "int8"), exported, store)
     assert again.cached and again.key == results["int8"].key
 
 
 def test_calibration_samples_change_the_int8_key_only(bert):
     spec, _, exported, _ = bert
     fewer = spec.model_copy(update={"calibration": spec.calibration.model_copy(update={"samples": 8})})
-    assert precision_key(exported, fewer, "int8") != precision_key(exported, spec, "int8")
-    assert precision_key(exported, fewer, "fp16") == precision_key(exported, spec, "fp16")
+
+    def key(of: spec_module.PipelineSpec, precision: str) -> str:
+        return precision_work(PrecisionConfig.of(of, precision), exported).key
+
+    assert key(fewer, "int8") != key(spec, "int8")
+    assert key(fewer, "fp16") == key(spec, "fp16")
 
 
 def test_qdq_u8s8_cpu_graph_reuses_the_calibration(bert, eval_feeds, tmp_path):
     spec, _, exported, results = bert
     u8s8 = spec.model_copy(update={"quantization": spec.quantization.model_copy(update={"cpu_format": "qdq-u8s8"})})
-    result = run_precision(u8s8, exported, "int8", ArtifactStore(tmp_path))
+    result = run_precision(PrecisionConfig.of(u8s8, "int8"), exported, ArtifactStore(tmp_path))
     assert result.file(CALIBRATION_FILE).read_text() == results["int8"].file(CALIBRATION_FILE).read_text()
     cpu = onnx.load(str(result.file(CPU_MODEL_FILE)))
     zero_points = {init.name: init.data_type for init in cpu.graph.initializer}
@@ -197,14 +202,14 @@ def test_unmatched_exclusion_glob_is_an_error_naming_it(bert, tmp_path):
     typo = spec.model_copy(update={"quantization": spec.quantization.model_copy(
         update={"exclude_nodes": ["*/outptu/dense/MatMul"]})})
     with pytest.raises(ValueError, match=r"exclude_nodes: '\*/outptu/dense/MatMul' matches no node"):
-        run_precision(typo, exported, "int8", ArtifactStore(tmp_path))
+        run_precision(PrecisionConfig.of(typo, "int8"), exported, ArtifactStore(tmp_path))
     assert not list(tmp_path.rglob(MODEL_FILE))
 
 
 def test_bf16_is_refused_with_the_reason(bert, tmp_path):
     spec, _, exported, _ = bert
     with pytest.raises(ValueError, match="bf16"):
-        run_precision(spec, exported, "bf16", ArtifactStore(tmp_path))
+        run_precision(PrecisionConfig.of(spec, "bf16"), exported, ArtifactStore(tmp_path))
 
 
 def _chain(nodes: list[onnx.NodeProto], weights: list[str]) -> onnx.ModelProto:
@@ -273,7 +278,7 @@ def test_int8_of_a_llama_without_past_builds_on_the_most_fused_graph_that_can_be
     spec = spec_module.load(tmp_path / "pipelines.yaml").pipelines["llama"]
     store = ArtifactStore(tmp_path / "artifacts")
     exported = run_export(ExportConfig.of(spec), store)
-    int8 = run_precision(spec, exported, "int8", store)
+    int8 = run_precision(PrecisionConfig.of(spec, "int8"), exported, store)
 
     fusion = int8.outputs["cpu_fusion"]
     assert fusion["level"] in ("extended", "basic")

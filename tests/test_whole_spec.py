@@ -23,8 +23,6 @@ HOLDERS = {
     "tasks/graph.py:judge_steps": "lays out the steps, giving each its settings",
     "tasks/registry/runs.py:pipeline_run": "the parent run logs every setting of the pipeline as a param",
     "tasks/stages/precision.py:PrecisionConfig.of": "the precision stage's settings, narrowed with its backend rules",
-    "tasks/stages/precision.py:precision_key": "the precision stage's settings, narrowed with its backend rules",
-    "tasks/stages/precision.py:run_precision": "the precision stage's settings, narrowed with its backend rules",
     "tasks/stages/int8_fallback.py:FallbackConfig.of": "the int8 accuracy fallback's settings (model, gates), built",
     "tasks/stages/int8_fallback.py:gated_metrics": "the accuracy gates the fallback aims at, read for its settings",
     "tasks/judge/steps.py:Judging.spec": "the judging steps' state: each builds its settings from the pipeline as "

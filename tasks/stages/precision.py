@@ -123,11 +123,6 @@ def cpu_int8_products(targets: list[TargetSpec]) -> str:
     return "saturating" if "saturating" in answers else "exact"
 
 
-def precision_key(export_result: StageResult, spec: PipelineSpec, precision: str) -> str:
-    """Export key + precision; for int8 also the quantization, calibration config and data digest."""
-    return precision_work(PrecisionConfig.of(spec, precision), export_result).key
-
-
 def precision_work(config: PrecisionConfig, export_result: StageResult) -> Work:
     """The exported graph rewritten for one precision (Cast nodes, or calibrated Q/DQ for int8)."""
     precision = config.precision
@@ -170,10 +165,10 @@ def _settings(config: PrecisionConfig) -> dict[str, Any]:
     return settings
 
 
-def run_precision(spec: PipelineSpec, export_result: StageResult, precision: str, store: ArtifactStore,
+def run_precision(config: PrecisionConfig, export_result: StageResult, store: ArtifactStore,
                   force: bool = False) -> StageResult:
-    """Write the graph for one precision (cached by precision_key)."""
-    return run_stage(precision_work(PrecisionConfig.of(spec, precision), export_result), store, force)
+    """Write the graph for one precision (cached by its work's key)."""
+    return run_stage(precision_work(config, export_result), store, force)
 
 
 def _outputs(precision: str, graphs: tuple[str, ...] = ("neutral",), **extra: Any) -> dict[str, Any]:
