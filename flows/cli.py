@@ -777,11 +777,28 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
     stop_signals.received.append(signum)
     _delivered.append(signum)
     if len(_delivered) == 1:
+        _shorten_prefect_retries()
         stop_signals.raise_for(signum)
     if len(_delivered) >= 3:
         code = EXIT_TERMINATED if stop_signals.received[0] == signal.SIGTERM else EXIT_INTERRUPTED
         os.write(2, b"smelter: stopped at once (a third stop signal); the next run finishes the cleanup\n")
         os._exit(code)
+
+
+STOPPING_PREFECT_RETRIES = 2
+
+
+def _shorten_prefect_retries() -> None:
+    """A stopping run gives its slots back and marks its flow and task runs through the Prefect server while
+    the user waits: each call then waits out at most 2 retries (about 6 s of a busy server), not the ~30 s a
+    working run rides out (CLIENT_RETRY_DEFAULTS). A slot it could not give back is taken over by the next run
+    on this host."""
+    settings = sys.modules.get("prefect.settings")
+    if settings is None:  # stopped before Prefect was imported: nothing to give back through it
+        return
+    with contextlib.suppress(Exception):  # a Prefect whose settings cannot be changed so: the calls just wait
+        client = settings.get_current_settings().client
+        client.max_retries = min(client.max_retries, STOPPING_PREFECT_RETRIES)
 
 
 def _record_swallowed_stop(unraisable: Any) -> None:
