@@ -793,12 +793,11 @@ def _shorten_prefect_retries() -> None:
     the user waits: each call then waits out at most 2 retries (about 6 s of a busy server), not the ~30 s a
     working run rides out (CLIENT_RETRY_DEFAULTS). A slot it could not give back is taken over by the next run
     on this host."""
-    settings = sys.modules.get("prefect.settings")
-    if settings is None:  # stopped before Prefect was imported: nothing to give back through it
+    if "prefect.settings" not in sys.modules:  # stopped before Prefect was imported: nothing to give back
         return
-    with contextlib.suppress(Exception):  # a Prefect whose settings cannot be changed so: the calls just wait
-        client = settings.get_current_settings().client
-        client.max_retries = min(client.max_retries, STOPPING_PREFECT_RETRIES)
+    from flows.prefect_server import limit_prefect_retries
+
+    limit_prefect_retries(STOPPING_PREFECT_RETRIES)
 
 
 def _record_swallowed_stop(unraisable: Any) -> None:

@@ -242,7 +242,8 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
     params = {"file": file, "force": force, "gate_point": point_words(spec.gate_point)}
     with tracking.pipeline_run(spec, run_name, params=params) as parent_run_id:
         chosen = list(dict.fromkeys(c.target for c in candidates))
-        champions = {t: tracking.champion(RegistrySettings.of(spec), t) for t in chosen}
+        registry = RegistrySettings.of(spec)
+        champions = {t: tracking.champion(registry, t) for t in chosen}
         build_parameters = {"file": file, "pipeline": pipeline, "precisions": precisions, "force": force,
                             "artifacts": artifacts, "allow_outside_paths": allow_outside_paths}
         missing = _build_everywhere(specs, spec, chosen, parent_run_id, build_parameters, pool)
@@ -253,9 +254,10 @@ def pipeline_flow(file: str, pipeline: str, precisions: list[str] | None = None,
         outcomes, deliveries = judged.outcomes, judged.deliveries
         figure = _summary_figure(FigureSettings.of(spec), outcomes, parent_run_id,
                                  store.root / TOOL_CACHES / summary_figure.DRAWN)
+        record = RunSettings.of(spec)
         for outcome in outcomes:
             if outcome.run_id:
-                tracking.finish_candidate(outcome.run_id, RunSettings.of(spec), outcome, figure)
+                tracking.finish_candidate(outcome.run_id, record, outcome, figure)
             verdict_task.with_options(task_run_name=outcome.candidate.name)(outcome, return_state=True)
         tracking.describe_pipeline_run(parent_run_id, outcomes)
         _show_outboxes(outcomes, deliveries)

@@ -83,6 +83,16 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
+def limit_prefect_retries(at_most: int) -> None:
+    """Every Prefect API call of this process from now on waits out at most `at_most` retries (the settings
+    object is the one every thread of the process reads), whatever PREFECT_CLIENT_MAX_RETRIES said."""
+    from prefect.settings import get_current_settings
+
+    with contextlib.suppress(Exception):  # a Prefect whose settings cannot be changed so: the calls just wait
+        client = get_current_settings().client
+        client.max_retries = min(client.max_retries, at_most)
+
+
 def api_problem() -> str | None:
     """Why the Prefect API that PREFECT_API_URL names does not answer, or None (also when none is set:
     then `owned_server` starts one). Asked before any work: Prefect's client would retry for a while,

@@ -231,25 +231,18 @@ def stop_if_a_server_was_lost(error: BaseException | None = None) -> None:
     """After a failure: when the MLflow server or the Prefect API no longer answers, every later stage and
     call would wait out its client's retries to fail the same way; end the run now with the one line that
     says which (`ServerLost`). Costs a health request to each server, only when something failed."""
-    from flows.prefect_server import api_lost
+    from flows.prefect_server import api_lost, limit_prefect_retries
     from tasks.registry import tracking
 
     if isinstance(error, tracking.ServerLost):
         raise error
     lost = tracking.server_lost()
     if not lost and (lost := api_lost()):
-        _stop_retrying_prefect()
+        # the Prefect API is gone: the flows ending on the way out (each marked Failed through it) fail at once
+        # instead of each waiting out PREFECT_CLIENT_MAX_RETRIES again
+        limit_prefect_retries(0)
     if lost:
         raise tracking.ServerLost(lost) from error
-
-
-def _stop_retrying_prefect() -> None:
-    """The Prefect API is gone: the flows ending on the way out (each marked Failed through it) fail at once
-    instead of each waiting out PREFECT_CLIENT_MAX_RETRIES again. For this process's current settings only."""
-    from prefect.settings import get_current_settings
-
-    with contextlib.suppress(Exception):  # a Prefect whose settings cannot be changed so: the flows just wait
-        get_current_settings().client.max_retries = 0
 
 
 def candidate_done(label: str, status: str, reasons: list[str]) -> None:

@@ -10,6 +10,7 @@ distribution adds one through an entry point of the `smelter.judges` group that 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -193,6 +194,7 @@ JUDGES = (
 """smelter's own judging stages."""
 
 
+@functools.cache
 def installed() -> tuple[Judge, ...]:
     """smelter's judging stages, then those other distributions register (one whose name is taken, or that
     cannot be loaded, is left out with a warning)."""
