@@ -102,7 +102,9 @@ def test_the_outcome_view_shows_status_speed_and_reason_as_columns(ui_run: dict[
     assert "smelter: outcome" in text, text[:3000]
     header = text[text.index("Run Name"):text.index(parent.info.run_name)]  # the DOM's order, not the screen's
     assert {"status", "_speedup", "decision_reason", "Description"} <= set(header.split()), header
-    assert "1 promoted, 1 rejected." in text[text.index(parent.info.run_name):], text[:3000]
+    row = text[text.index(parent.info.run_name):]
+    assert "1 promoted, 1 rejected." in row, text[:3000]
+    assert re.search(r"fp32/cpu promoted v1 · int8/cpu rejected \(max_abs_error", row), "the collapsed row's reason"
 
 
 def test_the_champions_version_page_leads_with_status_speed_and_reason(ui_run: dict[str, Any]) -> None:

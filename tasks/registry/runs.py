@@ -346,12 +346,30 @@ def describe_pipeline_run(parent_run_id: str, outcomes: list[CandidateOutcome]) 
         shown = f"{speedup:.3g}x" if speedup is not None and math.isfinite(speedup) else "-"
         lines.append(f"| {o.candidate.name} | **{o.status}** | {o.model_version or '-'} | {shown} | "
                      f"{short_reason(o).replace('|', '/')} |")
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("promoted", "passed", "pending", "rejected", "failed")}
+    counts = {s: sum(o.status == s for o in outcomes) for s in STATUS_ORDER}
     head = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no candidates"
     rebuilt = any(not stage.cached for o in outcomes for name, stage in o.stages.items() if name in ENGINE_STAGES)
     client = _client()
     client.set_tag(parent_run_id, DESCRIPTION_TAG, f"{head}.\n\n" + "\n".join(lines))
     client.set_tag(parent_run_id, "rebuilt", str(rebuilt).lower())
+    # the runs table shows a pipeline run's row collapsed: its own status and reason cells carry the outcome
+    client.set_tag(parent_run_id, "status", head)
+    client.set_tag(parent_run_id, "decision_reason", outcome_line(outcomes)[:MAX_TAG_CHARS])
+
+
+STATUS_ORDER = ("promoted", "passed", "pending", "rejected", "failed")
+
+
+def outcome_line(outcomes: list[CandidateOutcome]) -> str:
+    """A pipeline run's outcome on one line, champion first: `int8/cpu promoted v3 · fp32/cpu rejected (p99_ms
+    106.9 > max 50)`, what its collapsed row in the runs table shows in the reason column."""
+    def part(o: CandidateOutcome) -> str:
+        said = f"{o.candidate.precision}/{o.candidate.target} {o.status}"
+        if o.status in ("promoted", "passed"):
+            return f"{said} v{o.model_version}" if o.model_version else said
+        return f"{said} ({short_reason(o)})"
+    ranked = sorted(outcomes, key=lambda o: STATUS_ORDER.index(o.status) if o.status in STATUS_ORDER else len(STATUS_ORDER))
+    return " · ".join(part(o) for o in ranked) or "no candidates"
 
 
 SHORT_REASON = 60  # characters of a row's why: a table row stays one line on the run page
