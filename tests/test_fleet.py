@@ -183,7 +183,7 @@ def test_a_deployed_run_fans_out_to_each_pool_joins_in_mlflow_and_promotes_once(
         assert by_id[tags["fleet.flow_run_id"]]["work_pool_name"] == pool, "built by a flow run of its own pool"
         assert tags["fleet.flow_run_id"] in workers[pool].log(), f"taken by the {pool} worker"
     description = cold_parent.data.tags["mlflow.note.content"]
-    stranded_row = f"| {name}/fp32/far | **failed** | - | - | build: no worker on pool gpu-nobody within {WORKER_TIMEOUT_S:g} s |"
+    stranded_row = f"| fp32/far | **failed** | - | build: no worker on pool gpu-nobody within {WORKER_TIMEOUT_S:g} s |"
     assert stranded_row in description, description
     assert {r.data.tags["status"] for r in child_runs(warm_parent.info.run_id).values()} == {"passed"}
 

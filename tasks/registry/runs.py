@@ -337,39 +337,52 @@ def stage_seconds(stages: dict[str, StageResult]) -> dict[str, float]:
 
 
 def describe_pipeline_run(parent_run_id: str, outcomes: list[CandidateOutcome]) -> None:
-    """The parent run's description: the counts, then one short row per candidate (status, version, speed, why
-    in a few words), short enough that the run page shows it whole, without "Show more"; each candidate's full
-    reason is its own run's description. Tag `rebuilt`: whether anything was rebuilt (an unchanged nightly: false)."""
-    lines = ["| candidate | status | version | speedup | why |", "|---|---|---|---|---|"]
-    for o in outcomes:
+    """What a pipeline run's page and its row in the runs table say first. Its description is one short row per
+    candidate (status and version, speed, why in a few words), champion first; the run page folds a description
+    taller than 150 px behind "Show more", which fits a header and four narrow rows, not a line of counts above
+    them: the counts are its `status` tag, and its `decision_reason` tag is every candidate's outcome on one
+    line, which the runs table shows on the run's row collapsed. Each candidate's full reason is its own run's
+    description. Tag `rebuilt`: whether anything was rebuilt (an unchanged nightly: false)."""
+    ranked = _champion_first(outcomes)
+    lines = ["| candidate | status | speedup | why |", "|---|---|---|---|"]
+    for o in ranked:  # narrow: a row that wraps while the page lays out folds the table for good
         speedup = o.metrics.get("speedup_vs_reference")
         shown = f"{speedup:.3g}x" if speedup is not None and math.isfinite(speedup) else "-"
-        lines.append(f"| {o.candidate.name} | **{o.status}** | {o.model_version or '-'} | {shown} | "
-                     f"{short_reason(o).replace('|', '/')} |")
+        version = f" v{o.model_version}" if o.model_version else ""
+        why = short_reason(o).replace("|", "/")
+        lines.append(f"| {_short_name(o)} | **{o.status}**{version} | {shown} | {why} |")
     counts = {s: sum(o.status == s for o in outcomes) for s in STATUS_ORDER}
-    head = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no candidates"
     rebuilt = any(not stage.cached for o in outcomes for name, stage in o.stages.items() if name in ENGINE_STAGES)
     client = _client()
-    client.set_tag(parent_run_id, DESCRIPTION_TAG, f"{head}.\n\n" + "\n".join(lines))
+    client.set_tag(parent_run_id, DESCRIPTION_TAG, "\n".join(lines) if outcomes else "no candidates")
     client.set_tag(parent_run_id, "rebuilt", str(rebuilt).lower())
-    # the runs table shows a pipeline run's row collapsed: its own status and reason cells carry the outcome
-    client.set_tag(parent_run_id, "status", head)
-    client.set_tag(parent_run_id, "decision_reason", outcome_line(outcomes)[:MAX_TAG_CHARS])
+    client.set_tag(parent_run_id, "status", ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no candidates")
+    client.set_tag(parent_run_id, "decision_reason", outcome_line(ranked)[:MAX_TAG_CHARS])
 
 
 STATUS_ORDER = ("promoted", "passed", "pending", "rejected", "failed")
 
 
+def _champion_first(outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
+    """Promoted, passed, pending, rejected, failed; the file's order within each."""
+    rank = {status: i for i, status in enumerate(STATUS_ORDER)}
+    return sorted(outcomes, key=lambda o: rank.get(o.status, len(rank)))
+
+
+def _short_name(outcome: CandidateOutcome) -> str:
+    """`int8/cpu`: a candidate within its pipeline's run."""
+    return f"{outcome.candidate.precision}/{outcome.candidate.target}"
+
+
 def outcome_line(outcomes: list[CandidateOutcome]) -> str:
-    """A pipeline run's outcome on one line, champion first: `int8/cpu promoted v3 · fp32/cpu rejected (p99_ms
-    106.9 > max 50)`, what its collapsed row in the runs table shows in the reason column."""
+    """Candidates' outcomes on one line, in the order given: `int8/cpu promoted v3 · fp32/cpu rejected (p99_ms
+    106.9 > max 50)`."""
     def part(o: CandidateOutcome) -> str:
-        said = f"{o.candidate.precision}/{o.candidate.target} {o.status}"
+        said = f"{_short_name(o)} {o.status}"
         if o.status in ("promoted", "passed"):
             return f"{said} v{o.model_version}" if o.model_version else said
         return f"{said} ({short_reason(o)})"
-    ranked = sorted(outcomes, key=lambda o: STATUS_ORDER.index(o.status) if o.status in STATUS_ORDER else len(STATUS_ORDER))
-    return " · ".join(part(o) for o in ranked) or "no candidates"
+    return " · ".join(part(o) for o in outcomes) or "no candidates"
 
 
 SHORT_REASON = 60  # characters of a row's why: a table row stays one line on the run page
