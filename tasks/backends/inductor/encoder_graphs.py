@@ -12,7 +12,7 @@ Built from the HF model's own weights, so it computes the same function, laid ou
   attention_mask is all ones (`has_padding`);
 - with `cublas_products` the qkv and down products run through cuBLAS always (smelter::cublas_linear),
   not through whichever of Inductor's Triton templates max-autotune times fastest alone (slower for
-  them in the whole forward); the o product, which a template runs in half cuBLAS's time, stays Inductor's;
+  them in the whole forward); the o product stays Inductor's choice (a Triton template in every run);
 - bias adds, the residual adds and the layer norms are plain pointwise and reduction ops, which
   Inductor fuses into the products' epilogues or one kernel after them; with `gelu_epilogue` the
   up product's GELU runs in cuBLASLt's epilogue (torch._addmm_activation: GELU's tanh form, which

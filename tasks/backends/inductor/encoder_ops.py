@@ -16,8 +16,8 @@ the op computes the same function through SDPA, so an exported encoder graph run
 
 `cublas_linear`: F.linear that Inductor cannot see into, so max-autotune never swaps it for one of its
 Triton templates. Autotuning times each candidate alone; in the whole forward the templates it picked
-for BERT-base's qkv and down products ran 0.435 ms each per forward on an H100 where cuBLAS's ran 0.327
-and 0.305 ms (the same graph, autotuned in two runs, picked differently), so those products are pinned.
+for BERT-base's qkv and down products (in one run both, in another the down product alone) ran 0.40-0.44
+ms per forward each on an H100 where cuBLAS's ran 0.30-0.33 ms, so the graph pins those two products.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - depends on the install
 CONFIGS = {32: (128, 32, 8, 3), 64: (64, 64, 4, 2)}
 # The kernel's names: the build packs their compiled entries into the engine (kernel_bundle)
 KERNELS = ("_encoder_attention_kernel",)
-BIAS_FLOOR = -1e30
+BIAS_FLOOR = -1e30  # padding's bias is clamped to this (the kernel's literal) so an all-padding row stays finite
 
 if triton is not None:
     @triton.jit
