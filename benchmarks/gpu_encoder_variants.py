@@ -108,7 +108,8 @@ def own_attention_alone(cfg: Any, batch: int, seq: int, attention_configs: list[
         try:
             err = relative_error(ea.attention(qkv, key_bias, heads, c), ref)
             ms = graphed_ms(lambda: ea.attention(qkv, key_bias, heads, c))
-            att[name] = {"ms": ms, "rel_error": err, "no_mask_ms": graphed_ms(lambda: ea.attention(qkv, None, heads, c))}
+            att[name] = {"ms": ms, "rel_error": err,
+                         "no_mask_ms": graphed_ms(lambda: ea.attention(qkv, None, heads, c))}
             if err < 2e-2 and (best is None or ms < att["x".join(map(str, best))]["ms"]):
                 best = c
         except Exception as e:  # a block shape this GPU cannot run says so
@@ -210,7 +211,8 @@ def main() -> None:
                 from tasks.backends.inductor import encoder_ops as ea
 
                 with torch.no_grad():
-                    shape["own_attention"] = own = own_attention_alone(cfg, batch, seq, parse_configs(args.attention_configs))
+                    shape["own_attention"] = own = own_attention_alone(cfg, batch, seq,
+                                                                       parse_configs(args.attention_configs))
                 if own["best"]:
                     ea.CONFIGS[cfg.hidden_size // cfg.num_attention_heads] = tuple(own["best"])
                 shape["attention_configs_used"] = {str(k): v for k, v in ea.CONFIGS.items()}
