@@ -7,8 +7,15 @@ compared with eager fp32 of the same weights (cosine of each token's hidden stat
 attention kernels are also timed alone at each shape, with and without a key-padding bias.
 
 Variants (--variants, comma-separated graph:options): graph `hf` (the HF forward), `pad` (smelter's
-encoder graph with its key-padding bias), `nopad` (the same graph without a mask), each with `-lt` (GELU in cuBLASLt's epilogue of the up product); options a subset
-of `autotune` (max_autotune) and `cg` (CUDA graphs), joined by '+', or `none`.
+encoder graph with its key-padding bias), `nopad` (the same graph without a mask), each with any of
+the suffixes `-lt` (GELU in cuBLASLt's epilogue of the up product), `-ta` (smelter's Triton
+attention, tasks/backends/inductor/encoder_ops.py, instead of SDPA) and `-cb` (the qkv and down
+products pinned to cuBLAS, out of max-autotune's reach); options a subset of
+`autotune` (max_autotune) and `cg` (CUDA graphs), joined by '+', or `none`.
+
+`--own-kernels` first times smelter's attention kernel alone at each shape, over its block shapes
+(`--attention-configs`), against SDPA with the key bias and with no mask, each call replayed from a
+CUDA graph of 20; the variants after run with the fastest block shape found.
 
 Usage: python -m benchmarks.gpu_encoder_variants --out enc.json [--models bert,minilm] [--repeats 30]
 """
@@ -60,6 +67,57 @@ def attention_alone(heads: int, head_dim: int, batch: int, seq: int, repeats: in
     return out
 
 
+def graphed_ms(fn: Any, calls: int = 20, repeats: int = 15) -> float:
+    """Median device time of one call of `fn`, `calls` of them recorded in one CUDA graph (no launch gaps)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = gm.cuda_times_ms(graph.replay, 2, repeats)
+    return round(gm.summary(times)["median_ms"] / calls, 4)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return round(float((out.float() - ref.float()).norm() / ref.float().norm()), 6)
+
+
+def parse_configs(text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
+
+
+def own_attention_alone(cfg: Any, batch: int, seq: int, attention_configs: list[tuple[int, ...]]) -> dict[str, Any]:
+    """smelter's attention kernel alone at one shape, each block shape, against SDPA; `best` is the fastest."""
+    from tasks.backends.inductor import encoder_ops as ea
+
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+    qkv = torch.randn(batch, seq, 3 * hidden, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(batch, seq, device="cuda")
+    mask[: batch // 2, seq * 3 // 4:] = 0
+    key_bias = (1 - mask.bfloat16()) * torch.finfo(torch.bfloat16).min
+    ref = ea.reference(qkv.float(), key_bias.float(), heads)
+    att: dict[str, Any] = {"sdpa_key_bias_ms": graphed_ms(lambda: ea.reference(qkv, key_bias, heads)),
+                           "sdpa_no_mask_ms": graphed_ms(lambda: ea.reference(qkv, None, heads))}
+    best = None
+    for c in attention_configs:
+        name = "x".join(map(str, c))
+        try:
+            err = relative_error(ea.attention(qkv, key_bias, heads, c), ref)
+            ms = graphed_ms(lambda: ea.attention(qkv, key_bias, heads, c))
+            att[name] = {"ms": ms, "rel_error": err,
+                         "no_mask_ms": graphed_ms(lambda: ea.attention(qkv, None, heads, c))}
+            if err < 2e-2 and (best is None or ms < att["x".join(map(str, best))]["ms"]):
+                best = c
+        except Exception as e:  # a block shape this GPU cannot run says so
+            att[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    att["best"] = best
+    return att
+
+
 def variant(model: torch.nn.Module, graph: str, opts: set[str], ids: torch.Tensor, mask: torch.Tensor,
             fp32: torch.Tensor, flops: float, bound: float, repeats: int) -> dict[str, Any]:
     from tasks.backends.inductor.encoder_graphs import EncoderPrefill
@@ -74,7 +132,9 @@ def variant(model: torch.nn.Module, graph: str, opts: set[str], ids: torch.Tenso
         module, inputs, dyn = PrefillGraph(model, False), (ids, mask), (auto, auto)
     else:
         padding = graph.startswith("pad")
-        module = EncoderPrefill(model, padding=padding, gelu_epilogue=graph.endswith("-lt")).eval()
+        flags = set(graph.split("-")[1:])
+        module = EncoderPrefill(model, padding=padding, gelu_epilogue="lt" in flags,
+                                own_attention="ta" in flags, cublas_products="cb" in flags).eval()
         inputs, dyn = ((ids, mask), (auto, auto)) if padding else ((ids,), (auto,))
     with torch.no_grad():
         program = torch.export.export(module, inputs, dynamic_shapes=dyn, strict=False)
@@ -102,6 +162,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--variants", default="hf:autotune,pad:autotune,pad:autotune+cg,nopad:autotune+cg")
     parser.add_argument("--minilm-variants", default="hf:autotune,pad:autotune+cg,nopad:autotune+cg")
+    parser.add_argument("--own-kernels", action="store_true")
+    parser.add_argument("--attention-configs", default="64x128x4x1,128x128x8x1,64x64x4x2,128x64x4x2,128x64x8x2,"
+                                                       "64x32x4x2,128x32x8x3")
+    parser.add_argument("--shapes", default="", help="only these batch x seq shapes (e.g. 256x128,8x512)")
     args = parser.parse_args()
     from transformers import BertConfig, BertModel
 
@@ -123,6 +187,8 @@ def main() -> None:
         section: dict[str, Any] = {"config": config}
         for batch, seq in shapes:
             key = f"{batch}x{seq}"
+            if args.shapes and key not in args.shapes.split(","):
+                continue
             flops = gm.encoder_flops(cfg, batch, seq)
             bound = gm.bound_ms(flops, ceilings["gemm_bf16"]["tflops"])
             g = torch.Generator(device="cuda").manual_seed(3)
@@ -141,6 +207,16 @@ def main() -> None:
                 shape["eager_bf16"] = gm.summary(gm.cuda_times_ms(
                     lambda: bf16(input_ids=ids, attention_mask=mask).last_hidden_state, 3, args.repeats))
             section[key] = shape
+            if args.own_kernels:
+                from tasks.backends.inductor import encoder_ops as ea
+
+                with torch.no_grad():
+                    shape["own_attention"] = own = own_attention_alone(cfg, batch, seq,
+                                                                       parse_configs(args.attention_configs))
+                if own["best"]:
+                    ea.CONFIGS[cfg.hidden_size // cfg.num_attention_heads] = tuple(own["best"])
+                shape["attention_configs_used"] = {str(k): v for k, v in ea.CONFIGS.items()}
+                print(f"{name} {key} own attention: {json.dumps(own)}", flush=True)
             report.add(name, section)
             for v in (args.variants if name == "bert" else args.minilm_variants).split(","):
                 graph, opts = v.split(":")

@@ -164,10 +164,27 @@ def test_the_encoder_graph_computes_berts_hidden_states_with_padding(bert: torch
         program = export_prefill(bert, causal=False, batch=2, seq=8)
         assert prefill_graph_name(bert, causal=False) == "encoder"
         torch.testing.assert_close(program.module()(ids, mask), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(EncoderPrefill(bert, own_attention=False)(ids, mask), expected, rtol=1e-4,
+                                   atol=1e-4)
         unpadded = torch.ones_like(ids)
-        torch.testing.assert_close(EncoderPrefill(bert, padding=False)(ids),
-                                   bert(input_ids=ids, attention_mask=unpadded).last_hidden_state, rtol=1e-4, atol=1e-4)
+        for own_attention in (True, False):
+            torch.testing.assert_close(EncoderPrefill(bert, padding=False, own_attention=own_attention)(ids),
+                                       bert(input_ids=ids, attention_mask=unpadded).last_hidden_state,
+                                       rtol=1e-4, atol=1e-4)
     assert not torch.isnan(expected).any()
+    assert "smelter.encoder_attention" in str(program.program.graph)
+
+
+def test_the_encoder_attention_op_is_registered_for_export_and_compile() -> None:
+    """smelter::encoder_attention passes torch's checks of a custom op (schema, fake tensors, dispatch), with
+    a key bias and without, so exported encoder graphs trace and compile through it."""
+    from tasks.backends.inductor import encoder_ops  # noqa: F401
+
+    qkv = torch.randn(2, 12, 3 * 64, generator=torch.Generator().manual_seed(0))
+    bias = torch.zeros(2, 12)
+    bias[1, 5:] = torch.finfo(torch.float32).min
+    for key_bias in (bias, None):
+        torch.library.opcheck(torch.ops.smelter.encoder_attention.default, (qkv, key_bias, 4))
 
 
 def test_encoders_the_graph_does_not_cover_export_through_the_hf_forward(bert: torch.nn.Module) -> None:
@@ -436,13 +453,16 @@ def test_a_compiled_engine_from_before_shared_weights_is_refused_with_the_remedy
         InductorBackend().load(tmp_path, target)
 
 
-def test_every_triton_kernel_of_the_decode_ops_travels_with_the_engine() -> None:
-    """A kernel left out of decode_products.KERNELS is compiled again by every fresh process that loads an engine."""
+def test_every_triton_kernel_of_smelters_ops_travels_with_the_engine() -> None:
+    """A kernel left out of decode_products.KERNELS or encoder_ops.KERNELS is compiled again by every fresh
+    process that loads an engine."""
     import ast
 
-    from tasks.backends.inductor import decode_products, kernel_bundle
+    from tasks.backends.inductor import decode_products, encoder_ops, kernel_bundle
 
-    tree = ast.parse(Path(decode_products.__file__).read_text())
-    jitted = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
-              and any(ast.unparse(d).endswith("triton.jit") for d in node.decorator_list)}
-    assert jitted and set(kernel_bundle.KERNELS) == jitted
+    jitted = set()
+    for module in (decode_products, encoder_ops):
+        tree = ast.parse(Path(module.__file__).read_text())
+        jitted |= {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                   and any(ast.unparse(d).endswith("triton.jit") for d in node.decorator_list)}
+    assert "_encoder_attention_kernel" in jitted and set(kernel_bundle.KERNELS) == jitted

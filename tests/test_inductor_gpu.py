@@ -120,6 +120,30 @@ def test_an_encoder_engine_replays_its_forward_and_matches_eager_with_padding(tm
                                        rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("heads,head_dim,seq", [(12, 32, 128), (12, 64, 512), (4, 64, 200), (2, 128, 72)])
+def test_the_encoder_attention_kernel_matches_sdpa_with_padding(heads: int, head_dim: int, seq: int) -> None:
+    """smelter's Triton attention (bf16, as engines run it) reads q, k, v from the qkv product's output and
+    gives SDPA's fp32 result for rows padded to different lengths, a row of all padding (attends evenly,
+    no NaN) and a sequence that does not fill its last block; without a mask too."""
+    from tasks.backends.inductor import encoder_ops as ea
+
+    torch.manual_seed(0)
+    batch = 4
+    qkv = torch.randn(batch, seq, 3 * heads * head_dim, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(batch, seq, device="cuda")
+    mask[1, seq // 3:] = 0
+    mask[2, 1:] = 0
+    mask[3, :] = 0
+    key_bias = (1 - mask.bfloat16()) * torch.finfo(torch.bfloat16).min
+    assert ea.usable(qkv, key_bias, heads)
+    for bias in (key_bias, None):
+        got = torch.ops.smelter.encoder_attention(qkv, bias, heads)
+        expected = ea.reference(qkv.float(), None if bias is None else bias.float(), heads)
+        assert torch.isfinite(got).all()
+        error = ((got.float() - expected).norm(dim=-1) / expected.norm(dim=-1)).max()
+        assert error < 1e-2, f"relative error {float(error):.2e} per token at most"
+
+
 def test_engine_refused_on_another_arch(built: tuple[Path, InductorTarget], tmp_path: Path) -> None:
     engine, target = built
     engine = Path(shutil.copytree(engine, tmp_path / "engine"))

@@ -64,6 +64,14 @@ PRECOMPILE = True  # compiled engines: build precompiled graphs (and load them w
 # bf16's rounding): on an H100, BERT-base at 8 × 512 went from 2.07 to 1.82 ms (a separate GELU pass read and
 # wrote the 4096 × 3072 activations of every layer), cosine vs fp32 unchanged (0.99994 at least)
 ENCODER_GELU_EPILOGUE = True
+# Encoder graphs: attention through smelter::encoder_attention (Triton, reading the qkv product's output in
+# place) instead of SDPA (cuDNN on an H100): MiniLM at 256 × 128 went from 2.28 to 2.17 ms, BERT-base at 8 × 512
+# from 2.07 to 2.04 ms in one run of benchmarks/gpu_encoder_variants.py, cosine vs fp32 unchanged
+ENCODER_OWN_ATTENTION = True
+# Encoder graphs: the qkv and down products through cuBLAS always (smelter::cublas_linear), out of max-autotune's
+# reach: autotuned, the same graph got Triton templates for one or both of them in two runs on an H100 (0.40-0.44
+# ms per forward each, cuBLAS's 0.30-0.33); pinned, BERT-base at 8 × 512 went from 1.92 to 1.78 ms in one run
+ENCODER_CUBLAS_PRODUCTS = True
 
 
 def versions() -> dict[str, str]:
@@ -149,7 +157,8 @@ def prefill_graph(model: torch.nn.Module, causal: bool, fp8: bool, kept: Collect
     if name == "encoder":
         from tasks.backends.inductor.encoder_graphs import EncoderPrefill
 
-        return EncoderPrefill(model, gelu_epilogue=ENCODER_GELU_EPILOGUE).eval()
+        return EncoderPrefill(model, gelu_epilogue=ENCODER_GELU_EPILOGUE, own_attention=ENCODER_OWN_ATTENTION,
+                              cublas_products=ENCODER_CUBLAS_PRODUCTS).eval()
     _exportable_masks(model)
     return PrefillGraph(model, causal)
 

@@ -2,9 +2,10 @@
 
 Inductor's compile cache (and a precompiled graph) holds the kernels Inductor generated, not those
 that smelter's ops launch themselves (decode_products.KERNELS: the decode step's products, norms,
-gate and attention). Triton compiles those on their first launch in each process whose Triton cache
-lacks them, about a second each, several per decode batch size. The build therefore packs the
-Triton cache entries of those kernels into `triton_kernels.zip`; a load unpacks the missing ones
+gate and attention; encoder_ops.KERNELS: an encoder's attention). Triton compiles those on their
+first launch in each process whose Triton cache lacks them, about a second each, several per decode
+batch size. The build therefore packs the Triton cache entries of those kernels into
+`triton_kernels.zip`; a load unpacks the missing ones
 into this process's Triton cache, where Triton finds them as if it had compiled them. An entry is
 keyed by Triton itself (kernel source, constants, GPU target, Triton version): one this machine
 cannot use is never looked up.
@@ -20,10 +21,10 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from tasks.backends.inductor import decode_products
+from tasks.backends.inductor import decode_products, encoder_ops
 
 FILE = "triton_kernels.zip"
-KERNELS = decode_products.KERNELS
+KERNELS = decode_products.KERNELS + encoder_ops.KERNELS
 
 
 def triton_cache_dir() -> Path | None:

@@ -1,0 +1,145 @@
+"""The encoder graph's own ops: `smelter::encoder_attention` (Triton) and `smelter::cublas_linear`.
+
+`encoder_attention`: an encoder layer's bidirectional attention, read straight from its qkv product.
+SDPA needs q, k and v as [batch, heads, seq, head_dim] views and hands its output back in that
+layout; cuDNN's flash kernel (what SDPA picks on an H100) also sets up buffers of its own each call
+(memsets every layer). At the shapes embedding services run (heads of 32 at seq 128: MiniLM) that
+kernel is bound by neither arithmetic nor bytes: 82 µs a layer on an H100 at 256 × 128 with the key
+bias, for 100 MB of q, k, v and output (33 µs at copy bandwidth); this kernel takes 55 µs there.
+The Triton kernel here is one flash attention pass per (batch, head, block of queries): it reads q,
+k and v where the qkv product wrote them ([batch, seq, 3 × hidden], q then k then v, head after
+head), adds the key-padding bias of each key (natural-log units, as SDPA's float mask; clamped to
+-1e30, so a row whose keys are all padding attends evenly instead of making NaN), keeps the softmax
+in fp32 (exp2 of pre-scaled scores), and writes [batch, seq, hidden], the o product's input, with no
+transpose between. Elsewhere (CPU, no Triton, head sizes that are not powers of two from 16 to 128)
+the op computes the same function through SDPA, so an exported encoder graph runs anywhere.
+
+`cublas_linear`: F.linear that Inductor cannot see into, so max-autotune never swaps it for one of its
+Triton templates. Autotuning times each candidate alone; in the whole forward the templates it picked
+for BERT-base's qkv and down products (in one run both, in another the down product alone) ran 0.40-0.44
+ms per forward each on an H100 where cuBLAS's ran 0.30-0.33 ms, so the graph pins those two products.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+try:  # Triton ships with CUDA builds of torch; a CPU-only install computes with torch alone
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+# (BLOCK_M queries per program, BLOCK_N keys per loop step, num_warps, num_stages) by head size, as an
+# H100 measured fastest (benchmarks/gpu_encoder_variants.py --own-kernels): heads of 32 at MiniLM's
+# 256 × 128, heads of 64 at BERT-base's 8 × 512; other head sizes take the latter's
+CONFIGS = {32: (128, 32, 8, 3), 64: (64, 64, 4, 2)}
+# The kernel's names: the build packs their compiled entries into the engine (kernel_bundle)
+KERNELS = ("_encoder_attention_kernel",)
+BIAS_FLOOR = -1e30  # padding's bias is clamped to this (the kernel's literal) so an all-padding row stays finite
+
+if triton is not None:
+    @triton.jit
+    def _encoder_attention_kernel(qkv_ptr, bias_ptr, o_ptr, S, stride_qb, stride_qs, stride_bb, stride_ob, stride_os,
+                                  qk_scale, H: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program (block of queries, batch × heads): online softmax over every key of its sequence."""
+        block = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        rm = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        rd = tl.arange(0, D)
+        m_ok = rm < S
+        base = qkv_ptr + b * stride_qb + h * D
+        q = tl.load(base + rm[:, None] * stride_qs + rd[None, :], mask=m_ok[:, None], other=0.0)
+        k_base = base + H * D
+        v_base = base + 2 * H * D
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        for n0 in range(0, S, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
+            n_ok = rn < S
+            k = tl.load(k_base + rn[:, None] * stride_qs + rd[None, :], mask=n_ok[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * qk_scale
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + b * stride_bb + rn, mask=n_ok, other=0.0).to(tl.float32)
+                scores += tl.maximum(bias, -1e30)[None, :] * 1.4426950408889634
+            scores = tl.where(n_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            p = tl.math.exp2(scores - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + rn[:, None] * stride_qs + rd[None, :], mask=n_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + b * stride_ob + rm[:, None] * stride_os + h * D + rd[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+def reference(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int) -> torch.Tensor:
+    """What encoder_attention computes, through SDPA."""
+    batch, seq, width = qkv.shape
+    hidden = width // 3
+    q, k, v = qkv.view(batch, seq, 3, heads, hidden // heads).permute(2, 0, 3, 1, 4).unbind(0)
+    mask = None if key_bias is None else key_bias.to(qkv.dtype).clamp(min=BIAS_FLOOR)[:, None, None, :]
+    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return attended.transpose(1, 2).reshape(batch, seq, hidden)
+
+
+def config(head_dim: int) -> tuple[int, int, int, int]:
+    """The kernel's block shape and launch settings at this head size."""
+    return CONFIGS.get(head_dim, CONFIGS[64])
+
+
+def usable(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int) -> bool:
+    """Whether the Triton kernel takes this call (else SDPA does)."""
+    head_dim = qkv.shape[-1] // 3 // heads
+    return (triton is not None and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)
+            and qkv.stride(-1) == 1 and 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0
+            and (key_bias is None or key_bias.stride(-1) == 1))
+
+
+def attention(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int,
+              settings: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """The Triton kernel (CUDA) over qkv [B, S, 3 × hidden] -> [B, S, hidden]."""
+    batch, seq, width = qkv.shape
+    hidden = width // 3
+    head_dim = hidden // heads
+    block_m, block_n, warps, stages = settings or config(head_dim)
+    out = torch.empty(batch, seq, hidden, dtype=qkv.dtype, device=qkv.device)
+    bias = key_bias if key_bias is not None else qkv
+    _encoder_attention_kernel[(triton.cdiv(seq, block_m), batch * heads)](
+        qkv, bias, out, seq, qkv.stride(0), qkv.stride(1), bias.stride(0), out.stride(0), out.stride(1),
+        head_dim ** -0.5 * 1.4426950408889634, H=heads, D=head_dim, HAS_BIAS=key_bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return out
+
+
+@torch.library.custom_op("smelter::encoder_attention", mutates_args=())
+def encoder_attention(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int) -> torch.Tensor:
+    """Bidirectional attention of qkv [B, S, 3 × hidden] (q, k, v, each head after head), with an additive
+    bias per key key_bias [B, S] (padding: a large negative number) or none -> [B, S, hidden] in qkv's dtype."""
+    if not usable(qkv, key_bias, heads):
+        return reference(qkv, key_bias, heads)
+    return attention(qkv, key_bias, heads)
+
+
+@encoder_attention.register_fake
+def _encoder_attention_shape(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int) -> torch.Tensor:
+    batch, seq, width = qkv.shape
+    return qkv.new_empty(batch, seq, width // 3)
+
+
+@torch.library.custom_op("smelter::cublas_linear", mutates_args=())
+def cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight, bias) (cuBLAS on a GPU), opaque to Inductor."""
+    return F.linear(x, weight, bias)
+
+
+@cublas_linear.register_fake
+def _cublas_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
