@@ -18,6 +18,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from tasks.config.bounds import PRECISIONS
+from tasks.runtime import stop_signals
 
 GROUP = "smelter.backends"
 DECLARED = ("devices", "source", "precisions", "implementation")
@@ -97,6 +98,9 @@ def discover() -> dict[str, BackendInfo]:
         try:
             target = entry.load()
         except Exception as e:  # a third-party module may fail in any way
+            # ... and a Ctrl-C raised while it imports may come out as a library's error (pydantic turns it
+            # into a SchemaError): that is the user stopping the run, not a broken backend
+            stop_signals.raise_if_stopped()
             warnings.warn(f"backend {entry.name} of {dist} ignored: cannot load {entry.value} ({e})", stacklevel=2)
             continue
         if problem := _declaration_problem(entry, target):
