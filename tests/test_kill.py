@@ -42,6 +42,7 @@ STAGE_OF_POINT = {"export": "export", "calibration": "precision", "build": "buil
 # Points where the run holds a slot of the temporary server's database: each stage's, and the promotion's
 # (version.created is the first point that holds it; the points after it take the same slot the same way)
 ON_TEMPORARY_SERVERS = (*STAGE_OF_POINT, "version.created")
+ON_A_LASTING_SERVER = tuple(point for point in POINTS if point not in ON_TEMPORARY_SERVERS)
 CTRL_C_WITHIN_S = 10
 
 
@@ -65,10 +66,8 @@ def _assert_next_run_completes(setup: CliSetup, store: str, artifacts: Path, tmp
     return again
 
 
-@pytest.mark.parametrize("point", POINTS)
-def test_a_run_killed_at_any_point_is_completed_by_the_next_without_loss(
-        point: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    setup = request.getfixturevalue("cli_setup_own_server" if point in ON_TEMPORARY_SERVERS else "cli_setup")
+def _killed_then_completed(setup: CliSetup, point: str, tmp_path: Path) -> None:
+    """A run SIGKILLed at `point`, then the next run on the same machine state."""
     setup.receiver.events.clear()
     store = empty_store(setup, tmp_path / "store")
     artifacts = copy_artifacts(setup, tmp_path / "artifacts", drop_from=STAGE_OF_POINT.get(point))
@@ -85,6 +84,12 @@ def test_a_run_killed_at_any_point_is_completed_by_the_next_without_loss(
     assert {(e["registered_model"], e["version"]) for e in copies} == {(MODEL, champion)}
     assert len(copies) == (2 if point == "notify.sent" else 1), "only a lost answer repeats a delivery"
     assert again["events_pending"] == []
+
+
+@pytest.mark.parametrize("point", ON_TEMPORARY_SERVERS)
+def test_a_run_killed_holding_a_slot_of_its_temporary_server_is_completed_by_the_next_without_loss(
+        point: str, cli_setup_own_server: CliSetup, tmp_path: Path) -> None:
+    _killed_then_completed(cli_setup_own_server, point, tmp_path)
 
 
 def _run_in_terminal(setup: CliSetup, artifacts: Path, env: dict[str, str]) -> tuple[int, int, str]:
@@ -220,6 +225,14 @@ def test_a_run_stopped_by_sigint_or_sigterm_ends_cleanly_and_the_next_completes(
 
     _assert_next_run_completes(setup, store, artifacts, tmp_path)
     assert len(deliveries(setup.receiver)) == 1
+
+
+# The module's lasting server is started by its first test here, after the temporary servers' tests: it idles
+# for no other test of the module (about 2 s of CPU a minute)
+@pytest.mark.parametrize("point", ON_A_LASTING_SERVER)
+def test_a_run_killed_at_any_other_point_is_completed_by_the_next_without_loss(
+        point: str, cli_setup: CliSetup, tmp_path: Path) -> None:
+    _killed_then_completed(cli_setup, point, tmp_path)
 
 
 def test_a_worker_killed_mid_build_frees_its_slot_on_a_lasting_server(cli_setup: CliSetup, tmp_path: Path) -> None:
