@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models, a real mlflow server, a webhook receiver and one Prefect test server."""
+"""Shared fixtures: tiny models, a real mlflow server, a webhook receiver and one Prefect server."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import os
 import signal
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.fixtures.fleet import PrefectApi
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,11 +30,15 @@ pytest_plugins = ["tests.fixtures.models", "tests.fixtures.servers", "tests.fixt
 
 
 @pytest.fixture(scope="session")
-def prefect_server() -> Iterator[None]:
-    """One real Prefect server for the session (started only by tests that run flows)."""
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_server(prefect_api: PrefectApi) -> Iterator[None]:
+    """The session's one real Prefect server (tests/fixtures/fleet.py) as the API of the flows this process runs
+    (started only by tests that run flows), its database as this process's server database (a UI server reads
+    it). One server, not a second one for them: a Prefect server costs 9 s of CPU to start on a new database
+    and about 2 s a minute while it idles."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
 
-    with prefect_test_harness(server_startup_timeout=180):
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api.url,
+                                     PREFECT_SERVER_DATABASE_CONNECTION_URL: prefect_api.database}):
         yield
 
 
