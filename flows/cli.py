@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tasks.runtime import stop_signals
+from tasks.runtime import quiet_neighbours, stop_signals
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # what a shell reports for them
@@ -776,6 +776,7 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
     process at once, for a cleanup that hangs; the next run finishes it."""
     stop_signals.received.append(signum)
     _delivered.append(signum)
+    quiet_neighbours.resume_all()  # a server paused while engines are timed: the stop path talks to it
     if len(_delivered) == 1:
         _shorten_prefect_retries()
         stop_signals.raise_for(signum)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from tasks.runtime import quiet_neighbours
 from tasks.runtime.server_health import unanswered
 
 PR_SET_PDEATHSIG = 1
@@ -171,6 +172,7 @@ class StartedServer:
             self._start_lock.close()
             self._log.close()
             raise
+        quiet_neighbours.pausable(self.process)  # paused while engines are timed: it shares their cores
         self._failure: BaseException | None = None
         self._waiter = threading.Thread(target=self._wait, args=(timeout_s,), name="prefect-server-start",
                                         daemon=True)
@@ -211,6 +213,7 @@ class StartedServer:
                     _drop_queued()
 
     def stop(self) -> None:
+        quiet_neighbours.forget(self.process)
         _stop(self.process)
         self._waiter.join()
         self._log.close()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tasks.measure.stats import MIN_ROUNDS, Ratio, paired_ratio, recent_widest, serial_inflation
+from tasks.runtime import quiet_neighbours
 
 SLOT_MS = 25.0
 MAX_ROUNDS = 10_000  # where the rounds stop whatever they found; benchmark.min_rounds may not pass it
@@ -150,6 +151,15 @@ def measure_rounds(contenders: list[Contender], pairs: list[tuple[str, str]], *,
         if warmup:
             contender.timer(warmup)
     calls = {c.name: _calls_per_slot(c.timer) for c in contenders}
+    with quiet_neighbours.paused():
+        return _interleaved(contenders, pairs, calls, min_rounds=min_rounds, max_seconds=max_seconds,
+                            precision=precision, min_seconds=min_seconds)
+
+
+def _interleaved(contenders: list[Contender], pairs: list[tuple[str, str]], calls: dict[str, int], *,
+                 min_rounds: int, max_seconds: float, precision: float, min_seconds: float) -> Rounds:
+    """The untimed round, then rounds until the ratios are known or the budget is spent."""
+    names = [c.name for c in contenders]
     by_name = {c.name: c for c in contenders}
     for name in names:  # the untimed round
         time.sleep(SETTLE_S)
