@@ -465,4 +465,4 @@ def test_every_triton_kernel_of_smelters_ops_travels_with_the_engine() -> None:
         tree = ast.parse(Path(module.__file__).read_text())
         jitted |= {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
                    and any(ast.unparse(d).endswith("triton.jit") for d in node.decorator_list)}
-    assert "_encoder_attention_kernel" in jitted and set(kernel_bundle.KERNELS) == jitted
+    assert "_encoder_attention_kernel" in jitted and set(kernel_bundle.BUNDLED_KERNELS) == jitted

@@ -110,15 +110,17 @@ SAVED_VIEW_TAG = "mlflow.sharedViewState."  # where MLflow's UI keeps a saved (a
 
 def save_outcome_view(client: MlflowClient, experiment_id: str) -> None:
     """A saved view of the runs table, "smelter: outcome" in the Runs tab's view menu (or the experiment's
-    `#/experiments/<id>/runs?viewStateShareKey=smelter-outcome`):
-    status, speedup, the decision's reason and the description (a pipeline run's counts, a candidate's status
-    and why) as the first columns, newest first (what fits beside MLflow's assistant panel). Written as
-    MLflow 3's UI writes one: an experiment tag holding a JSON envelope around the table's state. MLflow keeps
-    which rows are expanded out of a saved view (and nests a candidate under its pipeline run whatever the
-    filter), so a pipeline run's candidates are one click away, on its row's +."""
-    columns = ["tags.`status`", f"metrics.`{HEADLINE_PREFIX}speedup`", "tags.`decision_reason`",
+    `#/experiments/<id>/runs?viewStateShareKey=smelter-outcome`): status, the decision's reason, speedup and
+    the description as the first columns (a pipeline run's counts and each candidate's outcome in a word; a
+    candidate's status and why), sized so the first two fit beside MLflow's assistant panel, newest first.
+    Written as MLflow 3's UI writes one: an experiment tag holding a JSON envelope around the table's state.
+    MLflow keeps which rows are expanded out of a saved view (and nests a candidate under its pipeline run
+    whatever the filter), so a pipeline run's candidates are one click away, on its row's +."""
+    columns = ["tags.`status`", "tags.`decision_reason`", f"metrics.`{HEADLINE_PREFIX}speedup`",
                "attributes.`Description`"]
-    state = {"selectedColumns": columns, "columnOrder": columns,
+    # wide enough for a pipeline run's counts and the first candidates of its one-line outcome on the first screen
+    widths = {"tags.`status`": 170, "tags.`decision_reason`": 380, f"metrics.`{HEADLINE_PREFIX}speedup`": 90}
+    state = {"selectedColumns": columns, "columnOrder": columns, "columnWidths": widths,
              "orderByKey": "attributes.start_time", "orderByAsc": False}
     envelope = {"name": OUTCOME_VIEW_NAME, "createdAt": 0, "state": json.dumps(state)}
     client.set_experiment_tag(experiment_id, f"{SAVED_VIEW_TAG}{OUTCOME_VIEW}", json.dumps(envelope))
@@ -375,14 +377,34 @@ def _short_name(outcome: CandidateOutcome) -> str:
 
 
 def outcome_line(outcomes: list[CandidateOutcome]) -> str:
-    """Candidates' outcomes on one line, in the order given: `int8/cpu promoted v3 · fp32/cpu rejected (p99_ms
-    106.9 > max 50)`."""
+    """Candidates' outcomes on one line, in the order given, in a word each, as the summary figure labels its
+    bars: `int8/cpu promoted v3 · fp32/cpu rejected: p99_ms · fp16/cpu failed: build`. The runs table shows a
+    cell's first fifty-odd characters beside MLflow's assistant panel."""
     def part(o: CandidateOutcome) -> str:
         said = f"{_short_name(o)} {o.status}"
         if o.status in ("promoted", "passed"):
             return f"{said} v{o.model_version}" if o.model_version else said
-        return f"{said} ({short_reason(o)})"
+        if o.status == "rejected":
+            return f"{said}: {', '.join(_missed_words(o)) or 'gates'}"
+        if o.status == "failed":
+            return f"{said}: {o.failed_stage or 'error'}"
+        return f"{said}: machine busy" if o.status == "pending" else said
     return " · ".join(part(o) for o in outcomes) or "no candidates"
+
+
+def _missed_words(outcome: CandidateOutcome) -> list[str]:
+    """The figure each failed gate missed (`speedup`, `p99_ms`, `cosine_min`), or the gate's name where it names
+    no figure (validity, regression)."""
+    words = []
+    for gate in outcome.gates:
+        if gate.passed or gate.inconclusive:
+            continue
+        named = [reason.split()[0].rstrip(":") for reason in gate.reasons if reason.split()]
+        words += [SHORT_WORDS.get(word, word) for word in named] or [gate.gate]
+    return list(dict.fromkeys(words))
+
+
+SHORT_WORDS = {"speedup_vs_reference": "speedup"}  # as tasks/judge/gate_words.py labels the figure's bars
 
 
 SHORT_REASON = 60  # characters of a row's why: a table row stays one line on the run page

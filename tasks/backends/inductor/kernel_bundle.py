@@ -24,7 +24,7 @@ from typing import Any
 from tasks.backends.inductor import decode_products, encoder_ops
 
 FILE = "triton_kernels.zip"
-KERNELS = decode_products.KERNELS + encoder_ops.KERNELS
+BUNDLED_KERNELS = decode_products.KERNELS + encoder_ops.KERNELS
 
 
 def triton_cache_dir() -> Path | None:
@@ -55,7 +55,7 @@ def _entries(cache: Path) -> list[Path]:
     if not cache.is_dir():
         return []
     return sorted(d for d in cache.iterdir()
-                  if d.is_dir() and "." not in d.name and any((d / f"{k}.json").is_file() for k in KERNELS))
+                  if d.is_dir() and "." not in d.name and any((d / f"{k}.json").is_file() for k in BUNDLED_KERNELS))
 
 
 def pack(path: Path) -> dict[str, Any]:
