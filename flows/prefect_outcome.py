@@ -11,17 +11,15 @@ run's state nor what runs. The flow run's name carries the counts, on its header
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
 from prefect.states import Cancelled, Completed, Failed, State
 
-from tasks.outcome import CandidateOutcome
+from tasks.outcome import CandidateOutcome, counted
 
 STATE_NAMES = {"promoted": "Promoted", "passed": "Passed", "pending": "Pending (machine busy)",
                "rejected": "Rejected"}
-ORDER = ("promoted", "passed", "rejected", "pending", "failed")
 
 
 def verdict_state(outcome: CandidateOutcome) -> State:
@@ -30,12 +28,6 @@ def verdict_state(outcome: CandidateOutcome) -> State:
         return Failed(message=outcome.reason)
     ended = Completed if outcome.status in ("promoted", "passed") else Cancelled
     return ended(name=STATE_NAMES[outcome.status], message=outcome.reason)
-
-
-def counts_in_name(statuses: Iterable[str]) -> str:
-    """`1 promoted, 2 rejected`: the outcomes a run had, none that it had not."""
-    counts = Counter(statuses)
-    return ", ".join(f"{counts[s]} {s}" for s in ORDER if counts[s]) or "no candidates"
 
 
 def name_flow_run(statuses: Iterable[str]) -> None:
@@ -50,7 +42,7 @@ def name_flow_run(statuses: Iterable[str]) -> None:
     base = context.flow_run.name.split(": ", 1)[0]
     try:
         with get_client(sync_client=True) as client:
-            client.update_flow_run(context.flow_run.id, name=f"{base}: {counts_in_name(statuses)}")
+            client.update_flow_run(context.flow_run.id, name=f"{base}: {counted(statuses)}")
     except Exception:  # noqa: BLE001 - a name is a convenience; the run's message and result are the outcome
         return
 

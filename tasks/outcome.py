@@ -116,6 +116,16 @@ class CandidateOutcome:
         }
 
 
+STATUSES = ("promoted", "passed", "rejected", "pending", "failed")  # the order an outcome's counts are said in
+
+
+def counted(statuses: Iterable[str]) -> str:
+    """`1 promoted, 2 rejected`: the outcomes a run had, none that it had not (a flow run's name in Prefect, a
+    pipeline run's status in MLflow)."""
+    counts = Counter(statuses)
+    return ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s]) or "no candidates"
+
+
 def tally(statuses: Iterable[str]) -> str:
     """How a run ended, e.g. "1 promoted, 2 rejected, 0 pending, 0 failed" (and how many passed without
     being promoted, when any did): the flow run's final message."""

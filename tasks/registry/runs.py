@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 
 from tasks.config.settings import RunSettings
 from tasks.config.spec import PipelineSpec, TargetSpec
-from tasks.outcome import CandidateOutcome
+from tasks.outcome import STATUSES, CandidateOutcome, counted
 from tasks.registry.client import _client, tracking_server, tracking_uri
 from tasks.runtime import killpoints
 from tasks.runtime.holder import Holder, machine_id
@@ -353,21 +353,17 @@ def describe_pipeline_run(parent_run_id: str, outcomes: list[CandidateOutcome]) 
         version = f" v{o.model_version}" if o.model_version else ""
         why = short_reason(o).replace("|", "/")
         lines.append(f"| {_short_name(o)} | **{o.status}**{version} | {shown} | {why} |")
-    counts = {s: sum(o.status == s for o in outcomes) for s in STATUS_ORDER}
     rebuilt = any(not stage.cached for o in outcomes for name, stage in o.stages.items() if name in ENGINE_STAGES)
     client = _client()
     client.set_tag(parent_run_id, DESCRIPTION_TAG, "\n".join(lines) if outcomes else "no candidates")
     client.set_tag(parent_run_id, "rebuilt", str(rebuilt).lower())
-    client.set_tag(parent_run_id, "status", ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no candidates")
+    client.set_tag(parent_run_id, "status", counted(o.status for o in outcomes))
     client.set_tag(parent_run_id, "decision_reason", outcome_line(ranked)[:MAX_TAG_CHARS])
 
 
-STATUS_ORDER = ("promoted", "passed", "pending", "rejected", "failed")
-
-
 def _champion_first(outcomes: list[CandidateOutcome]) -> list[CandidateOutcome]:
-    """Promoted, passed, pending, rejected, failed; the file's order within each."""
-    rank = {status: i for i, status in enumerate(STATUS_ORDER)}
+    """Promoted, passed, rejected, pending, failed; the file's order within each."""
+    rank = {status: i for i, status in enumerate(STATUSES)}
     return sorted(outcomes, key=lambda o: rank.get(o.status, len(rank)))
 
 
