@@ -8,7 +8,8 @@ and outputs on the device, CUDA events around each call. The bf16 matrix-product
 copy bandwidth are measured first, and each figure is also given as a fraction of its bound.
 
 Usage: python -m benchmarks.gpu_pipeline --out benchmarks/results/h200.json [--sections decoder,encoder]
-       [--append] [--quick] [--profile-warm-start]   (sections: decoder, decoder_fp8, encoder, decode_step, prefill)
+       [--append] [--quick] [--profile-warm-start]
+       (sections: decoder, decoder_fp8, encoder, encoder_fp8, encoder_real, decode_step, prefill)
 (--quick: a 2-layer model, to check the script in a minute). Writes the JSON after each section,
 so a run stopped early keeps what it measured.
 """
@@ -152,7 +153,8 @@ def calibration_windows(batch: int, seq: int, count: int) -> list[tuple[torch.Te
 
 
 def static_scales(model: torch.nn.Module, args: argparse.Namespace, batch: int, seq: int) -> dict[str, float]:
-    from tasks.backends.inductor.llama_graphs import FP8_MAX, calibrate_input_amax
+    from tasks.backends.inductor.fp8_linear import FP8_MAX
+    from tasks.backends.inductor.llama_graphs import calibrate_input_amax
 
     amax = calibrate_input_amax(model, calibration_windows(batch, seq, args.calibration_batches))
     return {name: value / FP8_MAX for name, value in amax.items()}
@@ -456,7 +458,7 @@ def fp8_product_error(shape: gm.DecoderShape, tokens: int) -> dict[str, Any]:
     """Each layer product of the decoder in fp8, as the engine computes it (e4m3 operands, fast
     accumulation), against the same product computed exactly on the same e4m3 values, both against
     fp32: the first gap is what quantisation costs, the second what the kernel adds to it."""
-    from tasks.backends.inductor.llama_graphs import FP8_MAX, _Linear
+    from tasks.backends.inductor.fp8_linear import FP8_MAX, Fp8Linear
 
     torch.manual_seed(0)
     shapes = {"qkv": (shape.hidden, (shape.heads + 2 * shape.kv_heads) * shape.head_dim),
@@ -468,7 +470,7 @@ def fp8_product_error(shape: gm.DecoderShape, tokens: int) -> dict[str, Any]:
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         exact = x.float() @ w.float().t()
         with torch.no_grad():
-            engine = _Linear(w, None, fp8=True)(x).float()
+            engine = Fp8Linear(w, None, fp8=True)(x).float()
         x_scale = x.float().abs().amax(-1, keepdim=True) / FP8_MAX
         w_scale = w.float().abs().amax(-1, keepdim=True) / FP8_MAX
         xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * x_scale
@@ -1071,6 +1073,195 @@ def encoder_section(args: argparse.Namespace, work: Path, ceilings: dict[str, An
     report.add("encoder_minilm", minilm)
 
 
+def encoder_fp8_products(cfg: Any, tokens: int, tflops: float, repeats: int) -> dict[str, Any]:
+    """Each layer product of the encoder alone at `tokens` rows: bf16 (cuBLAS, bias included) against e4m3
+    through torch._scaled_mm with row-wise scales (what the engine runs) and with one scale per tensor, the
+    inputs already in e4m3. Timed call by call, launches included: compare them with each other; the
+    engine's kernel profile says what the same products take in its replayed forward."""
+    from tasks.backends.inductor.fp8_linear import FP8
+
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    out: dict[str, Any] = {}
+    for name, (k, n) in {"qkv": (h, 3 * h), "o": (h, h), "up": (h, i), "down": (i, h)}.items():
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        xq, wq = x.to(FP8), w.to(FP8)
+        rows, channels = torch.ones(tokens, 1, device="cuda"), torch.ones(1, n, device="cuda")
+        one = torch.ones((), device="cuda")
+        ways = {"bf16": lambda: torch.nn.functional.linear(x, w, b),
+                "fp8_rowwise": lambda: torch._scaled_mm(xq, wq.t(), scale_a=rows, scale_b=channels,
+                                                        out_dtype=torch.bfloat16, use_fast_accum=True),
+                "fp8_tensorwise": lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
+                                                           out_dtype=torch.bfloat16, use_fast_accum=True)}
+        flop = 2 * tokens * k * n
+        out[name] = {"shape": [tokens, k, n]}
+        for way, fn in ways.items():
+            try:
+                ms = gm.summary(gm.cuda_times_ms(fn, 5, repeats))["median_ms"]
+                out[name][way] = {"ms": ms, "tflops": round(flop / ms / 1e9, 1)}
+            except Exception as e:  # a recipe this torch refuses says so
+                out[name][way] = f"{type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
+def encoder_text(path: Path, batch: int, seq: int, count: int, seed: int, tokenizer: Any = None,
+                 padded: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, attention_mask) batches of a shipped text: with a tokenizer, its lines (longer than 40
+    characters) tokenised and padded to `seq` (real padding); else windows of its bytes as ids, where
+    `padded` has every other row of the last batch keep only its first 3/8 to 7/8 (an embedding
+    service's batches mix lengths)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    if tokenizer is not None:
+        lines = [line for line in path.read_text().splitlines() if len(line) > 40]
+        for _ in range(count):
+            chosen = torch.randint(0, len(lines), (batch,), device="cuda", generator=g).tolist()
+            encoded = tokenizer([lines[j] for j in chosen], padding="max_length", truncation=True, max_length=seq,
+                                return_tensors="pt")
+            out.append((encoded["input_ids"].cuda(), encoded["attention_mask"].cuda()))
+        return out
+    data = text_bytes(path)
+    for j in range(count):
+        ids = data[torch.randint(0, data.numel() - seq, (batch,), device="cuda", generator=g)[:, None]
+                   + torch.arange(seq, device="cuda")]
+        mask = torch.ones_like(ids)
+        if padded and j == count - 1:
+            for row in range(1, batch, 2):
+                mask[row, seq * (3 + row % 5) // 8:] = 0
+        out.append((ids, mask))
+    return out
+
+
+def encoder_fp8_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
+    """BERT-base (random weights) at 8 × 512, each engine of --encoder-fp8-variants (fp8 engines: e4m3
+    products, scales and sensitivity measured on windows of data/calibration.txt) against the bf16 bound of
+    this run and eager fp32 and bf16 on windows of data/eval.txt (held out, one batch partly padded)."""
+    config = QUICK_BERT if args.quick else BERT_BASE
+    model_dir = work / "bert-fp8"
+    make_model("encoder", config, model_dir)
+    encoder_precisions(args, work, model_dir, "encoder_fp8", [(8, 512)], None, ceilings, report)
+
+
+def encoder_real_section(args: argparse.Namespace, work: Path, ceilings: dict[str, Any], report: Report) -> None:
+    """A trained encoder (--real-encoder: an HF BERT-family checkpoint with its tokenizer, e.g.
+    all-MiniLM-L6-v2) at --real-encoder-shapes, on lines of the shipped texts as its tokenizer pads them:
+    what fp8 does to real weights and real text, which random weights cannot say."""
+    from transformers import AutoTokenizer
+
+    if not args.real_encoder:
+        raise ValueError("section encoder_real needs --real-encoder DIR")
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.real_encoder_shapes.split(",")]
+    tokenizer = AutoTokenizer.from_pretrained(args.real_encoder)
+    encoder_precisions(args, work, Path(args.real_encoder), "encoder_real", shapes, tokenizer, ceilings, report)
+
+
+def encoder_precisions(args: argparse.Namespace, work: Path, model_dir: Path, key: str, shapes: list[tuple[int, int]],
+                       tokenizer: Any, ceilings: dict[str, Any], report: Report) -> None:
+    """Each engine of --encoder-fp8-variants (`bf16`, or fp8_scaling[:fp8_bf16_share]) of the encoder in
+    `model_dir`, built for `shapes`, at each shape: median, ratio to this run's bf16 bound, cosine vs eager
+    fp32 over the real tokens of held-out text, and the kernel profile."""
+    from transformers import AutoConfig
+
+    from tasks.backends.inductor import backend as inductor_backend
+
+    defaults = inductor_backend.ENCODER_GELU_EPILOGUE, inductor_backend.ENCODER_FP8_ATTENTION_OUT
+    cfg = AutoConfig.from_pretrained(model_dir)
+    tflops = ceilings["gemm_bf16"]["tflops"]
+    section: dict[str, Any] = {"model": model_dir.name, "config": {k: getattr(cfg, k) for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}, "shapes": {}}
+    checks, reference, bounds = {}, {}, {}
+    for batch, seq in shapes:
+        name = f"{batch}x{seq}"
+        flops = gm.encoder_flops(cfg, batch, seq)
+        bounds[name] = gm.bound_ms(flops, tflops)
+        checks[name] = encoder_text(EVAL_TEXT, batch, seq, args.encoder_check_batches, 7, tokenizer, padded=True)
+        section["shapes"][name] = {
+            "bounds": {"tflop": round(flops / 1e12, 4), "bf16_ms": round(bounds[name], 4)},
+            "products_alone": encoder_fp8_products(cfg, batch * seq, tflops, args.repeats),
+            "check": {"text": EVAL_TEXT.name, "batches": len(checks[name]),
+                      "real_tokens": int(sum(int(m.sum()) for _, m in checks[name]))}}
+    report.add(key, section)
+    for who, dtype in (("eager_fp32", torch.float32), ("eager_bf16", torch.bfloat16)):
+        model = eager("encoder", model_dir, dtype)
+        with torch.no_grad():
+            for name, batches in checks.items():
+                reference.setdefault(name, {})[who] = [
+                    model(input_ids=i, attention_mask=m).last_hidden_state[m.bool()].float() for i, m in batches]
+        del model
+    for name in checks:
+        section["shapes"][name]["eager_bf16_vs_fp32"] = hidden_agreement(reference[name]["eager_fp32"],
+                                                                         reference[name]["eager_bf16"])
+    batch, seq = max(shapes)
+    calibration = encoder_text(TRAIN_TEXT, batch, seq, args.calibration_batches, 17, tokenizer)
+    section["calibration"] = {"text": TRAIN_TEXT.name, "batches": len(calibration), "shape": [batch, seq],
+                              "real_tokens": int(sum(int(m.sum()) for _, m in calibration))}
+    feeds = [{"input_ids": i.cpu().numpy(), "attention_mask": m.cpu().numpy()} for i, m in calibration]
+    backend = InductorBackend()
+    for variant in args.encoder_fp8_variants.split(","):
+        recipe, *flags = variant.split("+")
+        precision = "bf16" if recipe == "bf16" else "fp8"
+        scaling, _, share = recipe.partition(":")
+        # flags, to measure what the engine's defaults buy: erf (GELU's erf form, no cuBLASLt epilogue),
+        # sepq (a separate pass quantises the static o product's input); bf16mlp: fp8_exclude keeps the up and
+        # down products in bf16 (GELU in the up product's epilogue, no quantising pass over its output)
+        inductor_backend.ENCODER_GELU_EPILOGUE = "erf" not in flags
+        inductor_backend.ENCODER_FP8_ATTENTION_OUT = "sepq" not in flags
+        target = {"name": "sm90", "backend": "inductor", "device": "cuda", "arch": detect_gpu().arch,
+                  "format": "compiled", "compile_mode": args.compile_mode}
+        if precision == "fp8":
+            target.update({"fp8_scaling": scaling, "fp8_bf16_share": float(share or 0),
+                           "fp8_exclude": ["layers.*.up", "layers.*.down"] if "bf16mlp" in flags else []})
+        figures: dict[str, Any] = {"target": target}
+        section[variant] = figures
+        try:
+            engine_dir = work / f"engine-{key}-{len(section)}"
+            engine_dir.mkdir()
+            started = time.perf_counter()
+            figures["engine_build"] = backend.build_from_model(
+                model_dir, "feature-extraction", precision, InductorTarget(**target),
+                [ProfileSpec(batch=[1, b, b], seq=[1, s, s]) for b, s in shapes], engine_dir,
+                calibration=feeds if InductorTarget(**target).calibrates(precision) else None)
+            figures["engine_build"]["cold_build_s"] = round(time.perf_counter() - started, 3)
+            sidecar = json.loads((engine_dir / "engine.json").read_text())
+            figures["kept_bf16"] = sidecar["fp8_kept_bf16"]
+            figures["sensitivity"] = sidecar["fp8_sensitivity"]
+            runner = backend.load(engine_dir, InductorTarget(**target))
+            for name, batches in checks.items():
+                with torch.no_grad():
+                    got = [runner.prefill(i, m)[m.bool()].float() for i, m in batches]
+                ids, mask = batches[0]
+                timing = timed(lambda: runner.prefill(ids, mask), 3, args.repeats)
+                median = timing["median_ms"]
+                figures[name] = {"vs_fp32": hidden_agreement(reference[name]["eager_fp32"], got), "engine": {
+                    **timing, "ms_over_bf16_bound": round(median / bounds[name], 3),
+                    "fraction_of_bf16_gemm_bound": round(bounds[name] / median, 3),
+                    "sequences_per_s": round(ids.shape[0] / median * 1e3, 1)},
+                    "kernels": gm.kernel_profile(lambda: runner.prefill(ids, mask), top=20),
+                    "path": ("precompiled, replayed from the runner's CUDA graph"
+                             if runner._prefill_graphs else "torch.compile")}
+                report.add(key, section)
+            del runner
+        except Exception as e:  # the other variants still run
+            import traceback
+
+            traceback.print_exc()
+            figures["error"] = f"{type(e).__name__}: {e}"[:2000]
+        report.add(key, section)
+        torch.compiler.reset()
+        torch.cuda.empty_cache()
+    inductor_backend.ENCODER_GELU_EPILOGUE, inductor_backend.ENCODER_FP8_ATTENTION_OUT = defaults
+
+
+def hidden_agreement(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> dict[str, Any]:
+    """Cosine of each real token's hidden state against the reference's, and the relative error over all."""
+    ref, got = torch.cat(reference), torch.cat(candidate)
+    cosine = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    return {"tokens": ref.shape[0], "cosine_mean": round(float(cosine.mean()), 6),
+            "cosine_min": round(float(cosine.min()), 6),
+            "relative_error": round(float((got - ref).norm() / ref.norm()), 5)}
+
+
 def unprofiled(warm: dict[str, Any] | None) -> dict[str, Any] | None:
     return warm and {k: v for k, v in warm.items() if k not in ("under_cprofile", "profile")}
 
@@ -1115,6 +1306,13 @@ def print_table(data: dict[str, Any]) -> None:
             for who in ("engine_bf16", "eager_bf16", "eager_fp32"):
                 print(f"encoder {label} {who:<12} " + json.dumps({k: v for k, v in figures[who].items()
                                                                    if k not in ("n", "min_ms")}))
+    for key in ("encoder_fp8", "encoder_real"):
+        for variant, figures in data.get(key, {}).items():
+            for shape, at in figures.items() if isinstance(figures, dict) else ():
+                if isinstance(at, dict) and "engine" in at:
+                    engine = at["engine"]
+                    print(f"{key} {variant:<14} {shape:<8} {engine['median_ms']} ms = {engine['ms_over_bf16_bound']} x "
+                          f"the bf16 bound, vs fp32 {json.dumps(at['vs_fp32'])}, kept {len(figures['kept_bf16'])} bf16")
     for label, section in (("bert", enc), ("minilm", minilm)):
         if "engine_build" in section:
             print(f"encoder {label} build " + json.dumps({k: section["engine_build"].get(k) for k in (
@@ -1147,6 +1345,16 @@ def main() -> None:
     parser.add_argument("--calibration-batches", type=int, default=16,
                         help="8-window batches of data/calibration.txt the fp8 engine calibrates on (static scales, "
                              "sensitivity)")
+    parser.add_argument("--encoder-fp8-variants", default="bf16,static,static+bf16mlp",
+                        help="sections encoder_fp8, encoder_real: each engine, bf16 or fp8_scaling[:fp8_bf16_share] of "
+                             "an fp8 one, each with any of +erf (GELU's erf form, not in cuBLASLt's epilogue), +sepq "
+                             "(the o product's input quantised in its own pass) and +bf16mlp (the up and down products "
+                             "kept bf16), comma-separated")
+    parser.add_argument("--encoder-check-batches", type=int, default=4,
+                        help="sections encoder_fp8, encoder_real: batches of data/eval.txt the engines are checked on")
+    parser.add_argument("--real-encoder", help="section encoder_real: an HF BERT-family checkpoint with its tokenizer")
+    parser.add_argument("--real-encoder-shapes", default="32x128,256x128",
+                        help="section encoder_real: batch x seq shapes, comma-separated")
     parser.add_argument("--train-steps", type=int, default=300, help="decoder training on data/calibration.txt")
     parser.add_argument("--sections", default="decoder,encoder")
     parser.add_argument("--tune-gemv", action=argparse.BooleanOptionalAction, default=True,
@@ -1194,6 +1402,7 @@ def main() -> None:
             started = time.perf_counter()
             try:
                 {"decoder": decoder_section, "decoder_fp8": decoder_fp8_section, "encoder": encoder_section,
+                 "encoder_fp8": encoder_fp8_section, "encoder_real": encoder_real_section,
                  "decode_step": decode_step_section, "prefill": prefill_section}[name](
                     args, Path(tmp), run["ceilings"], report)
             except Exception as e:  # keep what the other section measured; say what failed

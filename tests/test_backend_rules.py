@@ -34,16 +34,18 @@ def encoder_spec(model_dir: Path, target: dict) -> PipelineSpec:
 
 
 def test_an_fp8_target_is_judged_by_its_own_backends_rules_only(tiny_bert_dir: Path) -> None:
-    """Inductor builds fp8 for Llama-family decoders alone and says so of a BERT; another backend's fp8 target
-    is not told so."""
+    """Inductor builds fp8 for Llama-family decoders and BERT-family encoders alone: it admits the BERT and says
+    so of a DistilBERT; another backend's fp8 target is not told so."""
     config = json.loads((tiny_bert_dir / "config.json").read_text())
     inductor = encoder_spec(tiny_bert_dir, {"name": "h200", "backend": "inductor", "arch": "sm90"})
-    assert config_problems(inductor, config, "config.json") == [
-        (("precisions", 1), "fp8 is built for Llama-family decoders only; this model's task is not text generation "
-                            "(config.json)")]
+    assert config_problems(inductor, config, "config.json") == []
+    distilbert = {**config, "model_type": "distilbert"}
+    assert config_problems(inductor, distilbert, "config.json") == [
+        (("precisions", 1), "fp8 is built for Llama-family decoders and BERT-family encoders only: the encoder graph "
+                            "supports model_type bert; this model is distilbert (config.json)")]
     other = inductor.model_copy(update={"targets": [AnyModelFp8Target(name="h200", backend="any-fp8")]})
     assert [c.name for c in other.candidates()] == ["enc/bf16/h200", "enc/fp8/h200"]
-    assert config_problems(other, config, "config.json") == []
+    assert config_problems(other, distilbert, "config.json") == []
 
 
 def test_a_problem_of_the_precision_is_said_once_and_a_targets_own_setting_at_that_target(tiny_llama_dir: Path) -> None:

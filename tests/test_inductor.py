@@ -17,8 +17,9 @@ from tasks.backends.inductor.backend import (DecodeSession, EngineMismatch, Indu
                                              export_prefill, load_problem, prefill_graph_name, versions, warm_shapes)
 from tasks.backends.inductor.encoder_graphs import EncoderPrefill
 from tasks.backends.inductor.encoder_graphs import unsupported as unsupported_encoder
-from tasks.backends.inductor.llama_graphs import (FP8_MAX, LlamaPrefill, StaticDecoder, calibrate_input_amax,
-                                                  empty_cache, fp8_sensitivity)
+from tasks.backends.inductor.fp8_linear import FP8_MAX
+from tasks.backends.inductor.llama_graphs import (LlamaPrefill, StaticDecoder, calibrate_input_amax, empty_cache,
+                                                  fp8_sensitivity)
 from tasks.backends.inductor.llama_support import fp8_unsupported, keep_sensitive, product_costs, product_names
 from tasks.backends.table import BACKENDS
 from tasks.config.spec import InductorTarget, ProfileSpec
@@ -185,6 +186,13 @@ def test_the_encoder_attention_op_is_registered_for_export_and_compile() -> None
     bias[1, 5:] = torch.finfo(torch.float32).min
     for key_bias in (bias, None):
         torch.library.opcheck(torch.ops.smelter.encoder_attention.default, (qkv, key_bias, 4))
+        # a static fp8 o product's input: scaled and rounded to e4m3 by the op itself
+        scale = torch.tensor(4.0)
+        torch.library.opcheck(torch.ops.smelter.encoder_attention.default, (qkv, key_bias, 4, scale))
+        rounded = torch.ops.smelter.encoder_attention(qkv, key_bias, 4, scale)
+        assert rounded.dtype == torch.float8_e4m3fn
+        torch.testing.assert_close(rounded.float() / 4, torch.ops.smelter.encoder_attention(qkv, key_bias, 4),
+                                   rtol=0.07, atol=1e-3)
 
 
 def test_encoders_the_graph_does_not_cover_export_through_the_hf_forward(bert: torch.nn.Module) -> None:
@@ -310,6 +318,91 @@ def test_fp8_sensitivity_finds_the_products_that_dominate_the_logits_and_errors_
     assert fp8_sensitivity(model, batches, {name: 1.0 for name in errors}) != errors  # static scales are used
 
 
+def test_the_encoder_graph_runs_its_products_in_fp8_but_those_kept(bert: torch.nn.Module) -> None:
+    """An fp8 encoder graph: every product but those `kept` holds e4m3 weights with per-channel scales (a
+    static one folds its input scale into them), stays near fp32 with padding, and refuses names of no
+    product and static scales that miss a product."""
+    from tasks.backends.inductor.encoder_graphs import calibrate_input_amax as encoder_amax
+    from tasks.backends.inductor.fp8_linear import Fp8Linear
+
+    ids = torch.randint(0, 256, (4, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    calibration = [(torch.randint(0, 256, (4, 12)), torch.ones_like(ids))]
+    scales = {name: amax / FP8_MAX for name, amax in encoder_amax(bert, calibration).items()}
+    assert list(scales) == product_names(2, ("qkv", "o", "up", "down"))
+    with torch.no_grad():
+        expected = bert(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
+        for kwargs in ({}, {"input_scales": scales}, {"kept": ["layers.1.up"], "input_scales": scales}):
+            graph = EncoderPrefill(bert, fp8=True, own_attention=True, **kwargs).eval()
+            got = graph(ids, mask)[mask.bool()]
+            assert torch.nn.functional.cosine_similarity(got, expected, dim=-1).min() > 0.99, kwargs
+            assert not torch.equal(got, expected), "e4m3 products give (slightly) other numbers than fp32"
+    layer = graph.layers[1]
+    assert isinstance(layer.up, torch.nn.Module) and not isinstance(layer.up, Fp8Linear)
+    assert layer.up.weight.dtype == torch.float32, "a kept product stays in the model's dtype"
+    assert isinstance(layer.down, Fp8Linear) and layer.down.weight.dtype == torch.float8_e4m3fn
+    per_token = EncoderPrefill(bert, fp8=True).layers[1].down
+    torch.testing.assert_close(layer.down.scale, per_token.scale * scales["layers.1.down"])
+    with pytest.raises(ValueError, match=r"no such products \['layers.1.gate_up'\]"):
+        EncoderPrefill(bert, fp8=True, kept=["layers.1.gate_up"])
+    with pytest.raises(ValueError, match=r"static fp8 scales are missing for \['layers.0.o'\]"):
+        EncoderPrefill(bert, fp8=True, input_scales={k: v for k, v in scales.items() if k != "layers.0.o"})
+
+
+def test_encoder_fp8_calibration_reads_real_tokens_and_sensitivity_finds_the_loud_product(
+        bert: torch.nn.Module) -> None:
+    """Static scales of an encoder come from its real tokens only, and each product's error alone in e4m3,
+    as the last hidden state sees it, is largest where the product dominates the residual stream; the
+    errors of all products add up to the all-e4m3 graph's."""
+    from tasks.backends.inductor.encoder_graphs import calibrate_input_amax as encoder_amax
+    from tasks.backends.inductor.encoder_graphs import fp8_sensitivity as encoder_sensitivity
+
+    model = copy.deepcopy(bert)
+    with torch.no_grad():
+        model.embeddings.word_embeddings.weight[255] = 0  # the padding token: one spike, which survives the norm
+        model.embeddings.word_embeddings.weight[255, 0] = 30
+        model.encoder.layer[1].output.dense.weight.mul_(30)
+    ids = torch.randint(0, 255, (2, 12))
+    ids[1, 5:] = 255
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    padded = encoder_amax(model, [(ids, mask)])
+    assert padded == pytest.approx(encoder_amax(model, [(ids[:1], mask[:1]), (ids[1:, :5], mask[1:, :5])]), rel=1e-5)
+    assert encoder_amax(model, [(ids, torch.ones_like(ids))])["layers.0.qkv"] > 1.5 * padded["layers.0.qkv"]
+    batches = [(ids, mask), (torch.randint(0, 255, (4, 12)), torch.ones(4, 12, dtype=torch.long))]
+    errors = encoder_sensitivity(model, batches)
+    assert list(errors) == list(padded) and all(e > 0 for e in errors.values())
+    assert max(errors, key=errors.get) == "layers.1.down"
+    exact, rounded = EncoderPrefill(model).eval(), EncoderPrefill(model, fp8=True).eval()
+    with torch.no_grad():
+        squared = [(rounded(i, m) - exact(i, m))[m.bool()].pow(2) for i, m in batches]
+    all_e4m3 = float(torch.cat(squared).mean())
+    assert 0.5 < sum(errors.values()) / all_e4m3 < 2, (sum(errors.values()), all_e4m3)
+
+
+def test_fp8_is_admitted_for_bert_encoders_and_refused_for_other_encoders_with_the_reason() -> None:
+    """smelter validate's rule (the target's model_problems): fp8 for a BERT-family encoder whose products
+    divide by 16, fp8_exclude over its own product names; another encoder, or odd sizes, said as such."""
+    target = InductorTarget(name="h100", backend="inductor", arch="sm90",
+                            fp8_exclude=["layers.0.up", "layers.*.gate_up"])
+    bert = {"model_type": "bert", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_hidden_layers": 2}
+    assert target.model_problems("fp8", bert, decoder=False) == [
+        (("fp8_exclude", 1), "'layers.*.gate_up' matches no product of this model; its 2 layers' products are "
+                             "layers.<0-1>.qkv|o|up|down")]
+    assert target.model_problems("bf16", {"model_type": "distilbert"}, decoder=False) == []
+    assert target.model_problems("fp8", {**bert, "model_type": "distilbert"}, decoder=False) == [
+        ((), "fp8 is built for Llama-family decoders and BERT-family encoders only: the encoder graph supports "
+             "model_type bert; this model is distilbert")]
+    assert target.model_problems("fp8", {**bert, "intermediate_size": 100}, decoder=False) == [
+        ((), "fp8 products need sizes divisible by 16; this model has intermediate_size = 100")]
+    assert "lacks them" in target.model_problems("fp8", {"model_type": "bert"}, decoder=False)[0][1]
+    from tasks.backends.inductor import encoder_graphs, encoder_support
+
+    assert set(encoder_graphs.ACTIVATIONS) == set(encoder_support.ACTIVATIONS), "the graph runs what validate admits"
+
+
 def test_keep_sensitive_fills_the_share_with_the_most_error_per_multiply_add(llama: LlamaForCausalLM) -> None:
     costs = product_costs(llama.config)
     assert costs["layers.0.qkv"] == 64 * (4 + 2 * 2) * 16 and costs["layers.1.down"] == 128 * 64
@@ -328,8 +421,10 @@ def test_fp8_is_refused_with_the_reason(llama: LlamaForCausalLM) -> None:
     odd = llama.config.__class__(**{**llama.config.to_dict(), "intermediate_size": 100})
     assert fp8_unsupported(odd) == "fp8 products need sizes divisible by 16; this model has intermediate_size = 100"
     gpt2 = llama.config.__class__(**{**llama.config.to_dict(), "architectures": ["GPT2LMHeadModel"]})
-    assert fp8_unsupported(gpt2).startswith("fp8 is built for Llama-family decoders only: the Llama-family graphs")
-    with pytest.raises(BackendUnavailable, match="fp8 is built for Llama-family decoders only"):
+    assert fp8_unsupported(gpt2).startswith("fp8 is built for Llama-family decoders and BERT-family encoders only: "
+                                            "the Llama-family graphs")
+    with pytest.raises(BackendUnavailable, match="BERT-family encoders only: the encoder graph supports model_type "
+                                                 "bert; this model is llama"):
         export_prefill(llama.model, causal=False, batch=2, seq=8, fp8=True)
 
 

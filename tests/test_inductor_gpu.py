@@ -136,12 +136,18 @@ def test_the_encoder_attention_kernel_matches_sdpa_with_padding(heads: int, head
     mask[3, :] = 0
     key_bias = (1 - mask.bfloat16()) * torch.finfo(torch.bfloat16).min
     assert ea.usable(qkv, key_bias, heads)
+    scale = torch.tensor(8.0, device="cuda")
     for bias in (key_bias, None):
         got = torch.ops.smelter.encoder_attention(qkv, bias, heads)
         expected = ea.reference(qkv.float(), None if bias is None else bias.float(), heads)
         assert torch.isfinite(got).all()
         error = ((got.float() - expected).norm(dim=-1) / expected.norm(dim=-1)).max()
         assert error < 1e-2, f"relative error {float(error):.2e} per token at most"
+        if torch.cuda.get_device_capability() >= (8, 9):  # the input of a static fp8 o product, in e4m3
+            rounded = torch.ops.smelter.encoder_attention(qkv, bias, heads, scale)
+            assert rounded.dtype == torch.float8_e4m3fn
+            error = ((rounded.float() / 8 - expected).norm(dim=-1) / expected.norm(dim=-1)).max()
+            assert error < 5e-2, f"relative error {float(error):.2e} per token at most (e4m3 rounds by 3%)"
 
 
 def test_engine_refused_on_another_arch(built: tuple[Path, InductorTarget], tmp_path: Path) -> None:
@@ -242,6 +248,53 @@ def test_an_fp8_engine_keeps_its_most_sensitive_products_in_bf16(llama_dir: Path
     cosine = cosine_vs_fp32(tmp_path, target, llama_dir)
     print(f"fp8 engine with its sensitive products in bf16 vs fp32: cosine min {cosine:.4f}")
     assert cosine > 0.98
+
+
+def test_an_fp8_encoder_engine_is_calibrated_keeps_its_sensitive_products_and_replays_near_fp32(
+        tmp_path: Path) -> None:
+    """A BERT-family fp8 engine: static scales and each product's sensitivity measured on the calibration
+    feeds, the most sensitive products kept in bf16 within fp8_bf16_share, e4m3 products through
+    smelter::scaled_mm; its forward, replayed from a CUDA graph, stays near HF's fp32 hidden states with
+    padding."""
+    from transformers import BertConfig, BertModel
+
+    from tasks.backends.inductor.encoder_support import product_costs
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=256, max_position_embeddings=64)
+    model_dir = tmp_path / "bert"
+    BertModel(config).save_pretrained(model_dir)
+    target = fp8_target(fp8_scaling="static", fp8_bf16_share=0.2)
+    rng = np.random.default_rng(0)
+    calibration = [{"input_ids": rng.integers(0, 512, (4, 16)), "attention_mask": np.ones((4, 16), dtype=np.int64)}
+                   for _ in range(2)]
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    InductorBackend().build_from_model(model_dir, "feature-extraction", "fp8", target,
+                                       [ProfileSpec(batch=[1, 4, 4], seq=[1, 16, 16])], engine, calibration=calibration)
+    sidecar = json.loads((engine / "engine.json").read_text())
+    kept, sensitivity = sidecar["fp8_kept_bf16"], sidecar["fp8_sensitivity"]
+    print(f"fp8 encoder: kept {kept}, {json.dumps({k: v for k, v in sensitivity.items() if k != 'hidden_mse'})}")
+    assert sidecar["prefill_graph"] == "encoder" and sidecar["fp8_calibration"]["tokens"] == 128
+    assert len(sidecar["fp8_calibration"]["input_amax"]) == len(sensitivity["hidden_mse"]) == 8
+    costs = product_costs(config)
+    assert kept and sum(costs[n] for n in kept) <= 0.2 * sum(costs.values())
+    runner = InductorBackend().load(engine, target)
+    reference = BertModel.from_pretrained(model_dir).cuda().eval()
+    ids = torch.randint(0, 512, (4, 16), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    held = [runner.prefill(ids, mask) for _ in range(3)]  # run, record, replay
+    assert [r.graph is not None for r in runner._prefill_graphs.values()] == [True], runner.precompile_problems
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
+    for got in held:
+        cosine = torch.nn.functional.cosine_similarity(got[mask.bool()].float(), expected, dim=-1)
+        assert cosine.min() > 0.99, cosine
+    print(f"fp8 encoder engine vs fp32: cosine min {float(cosine.min()):.5f}")
+    kernels = " ".join(k["kernel"] for k in gpu_measure.kernel_profile(lambda: runner.prefill(ids, mask), top=30))
+    assert "_encoder_attention_kernel" in kernels
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 65])

@@ -122,7 +122,7 @@ class TargetSpec(Strict):
         task generates text), each as (where, why): `where` a key path inside this target, e.g.
         ("fp8_exclude", 0), or () for the precision itself. `smelter validate` asks each target of the
         precisions it builds, before any work: a rule that holds for some models only is its backend's own
-        (Inductor builds fp8 for Llama-family decoders alone), never another backend's."""
+        (Inductor builds fp8 for Llama-family decoders and BERT-family encoders alone), never another backend's."""
         return []
 
 

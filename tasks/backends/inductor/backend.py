@@ -5,7 +5,7 @@ An engine directory holds:
   the next-token logits of each row's last real token, encoders the last hidden state); Llama-family
   decoders use smelter's own graph (tasks/backends/inductor/llama_graphs.py: fused products, fp8 possible),
   BERT-family encoders theirs (tasks/backends/inductor/encoder_graphs.py: one qkv product, fused attention
-  with a key-padding bias), other models the HF forward; encoders replay it with CUDA graphs (one
+  with a key-padding bias, fp8 possible), other models the HF forward; encoders replay it with CUDA graphs (one
   recording per shape) where the target's `cuda_graphs` says so, decoders where its `compile_mode`
   does;
 - `decode.pt2` (Llama-family decoders, format `compiled`): one decode step over a static KV cache
@@ -45,7 +45,7 @@ import torch
 from tasks.backends.base import Backend, BackendUnavailable, EngineMismatch, Runner, TargetSpec
 from tasks.backends.inductor import graph_weights, kernel_bundle, precompiled
 from tasks.backends.inductor.program_load import load_program
-from tasks.backends.inductor.target import InductorTarget
+from tasks.backends.inductor.target import InductorTarget, fp8_rules
 from tasks.config.profiles import ProfileSpec
 from tasks.runtime.gpu import GpuInfo, detect_gpu
 
@@ -72,6 +72,9 @@ ENCODER_OWN_ATTENTION = True
 # reach: autotuned, the same graph got Triton templates for one or both of them in two runs on an H100 (0.40-0.44
 # ms per forward each, cuBLAS's 0.30-0.33); pinned, BERT-base at 8 × 512 went from 1.92 to 1.78 ms in one run
 ENCODER_CUBLAS_PRODUCTS = True
+# fp8 encoder graphs: smelter's attention writes a static fp8 o product's input in e4m3 itself, instead of a
+# separate quantising pass over its bf16 output
+ENCODER_FP8_ATTENTION_OUT = True
 
 
 def versions() -> dict[str, str]:
@@ -144,9 +147,8 @@ def _exportable_masks(model: torch.nn.Module) -> None:
 
 def prefill_graph(model: torch.nn.Module, causal: bool, fp8: bool, kept: Collection[str] = (),
                   input_scales: Mapping[str, float] | None = None) -> torch.nn.Module:
-    """smelter's own graph for Llama-family decoders (the only one built in fp8, its `kept` products in
-    bf16, its activations scaled per token or by `input_scales`) and for BERT-family encoders, else the
-    HF forward."""
+    """smelter's own graph for Llama-family decoders and for BERT-family encoders (the two built in fp8, their
+    `kept` products in bf16, their activations scaled per token or by `input_scales`), else the HF forward."""
     from tasks.backends.inductor.llama_graphs import LlamaPrefill
 
     if fp8:
@@ -158,25 +160,24 @@ def prefill_graph(model: torch.nn.Module, causal: bool, fp8: bool, kept: Collect
         from tasks.backends.inductor.encoder_graphs import EncoderPrefill
 
         return EncoderPrefill(model, gelu_epilogue=ENCODER_GELU_EPILOGUE, own_attention=ENCODER_OWN_ATTENTION,
-                              cublas_products=ENCODER_CUBLAS_PRODUCTS).eval()
+                              cublas_products=ENCODER_CUBLAS_PRODUCTS, fp8=fp8, kept=kept,
+                              input_scales=input_scales, fp8_attention_out=ENCODER_FP8_ATTENTION_OUT).eval()
     _exportable_masks(model)
     return PrefillGraph(model, causal)
 
 
 def prefill_graph_name(model: torch.nn.Module, causal: bool) -> str:
     """Which graph prefill_graph builds for this model (engine.json's `prefill_graph`)."""
-    from tasks.backends.inductor import encoder_graphs
+    from tasks.backends.inductor import encoder_support
     from tasks.backends.inductor.llama_support import unsupported
 
     if causal:
         return "llama" if unsupported(model.config) is None else "hf"
-    return "encoder" if encoder_graphs.unsupported(model.config) is None else "hf"
+    return "encoder" if encoder_support.unsupported(model.config) is None else "hf"
 
 
 def _require_fp8(model: torch.nn.Module, causal: bool) -> None:
-    from tasks.backends.inductor.llama_support import fp8_unsupported
-
-    problem = fp8_unsupported(model.config, decoder=causal)
+    problem = fp8_rules(causal)[0](model.config)
     if problem:
         raise BackendUnavailable(problem)
 
@@ -628,11 +629,11 @@ def decode_products_for(precision: str, target: InductorTarget, excluded: list[s
     return {"products": products, "fp8_weights": False, "kept": [], "fp8_head": False}
 
 
-def _kept_products(target: InductorTarget, config: Any) -> list[str]:
+def _kept_products(target: InductorTarget, config: Any, causal: bool) -> list[str]:
     """The products target.fp8_exclude keeps in bf16 (smelter validate has checked them against the config)."""
     from tasks.backends.inductor.llama_support import fp8_kept
 
-    kept, problems = fp8_kept(target.fp8_exclude, config.num_hidden_layers)
+    kept, problems = fp8_kept(target.fp8_exclude, config.num_hidden_layers, fp8_rules(causal)[1])
     if problems:
         raise ValueError(f"target {target.name}: fp8_exclude[{problems[0][0]}]: {problems[0][1]}")
     return kept
@@ -649,11 +650,24 @@ def _device_batches(model: torch.nn.Module, target: InductorTarget,
              torch.as_tensor(np.asarray(f["attention_mask"], dtype=np.int64), device=device)) for f in calibration]
 
 
-def _static_fp8(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
-    """Static fp8 input scales from the calibration feeds, with what they were measured on."""
-    from tasks.backends.inductor.llama_graphs import FP8_MAX, calibrate_input_amax
+def _fp8_graphs(causal: bool) -> Any:
+    """The module of the graphs an fp8 build of this task comes from (its calibrate_input_amax and
+    fp8_sensitivity)."""
+    if causal:
+        from tasks.backends.inductor import llama_graphs
 
-    amax = calibrate_input_amax(model, batches)
+        return llama_graphs
+    from tasks.backends.inductor import encoder_graphs
+
+    return encoder_graphs
+
+
+def _static_fp8(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                causal: bool) -> dict[str, Any]:
+    """Static fp8 input scales from the calibration feeds, with what they were measured on."""
+    from tasks.backends.inductor.fp8_linear import FP8_MAX
+
+    amax = _fp8_graphs(causal).calibrate_input_amax(model, batches)
     return {"scales": {name: max(value, 1e-12) / FP8_MAX for name, value in amax.items()},
             "batches": len(batches), "tokens": int(sum(int(mask.sum()) for _, mask in batches)),
             "input_amax": {name: float(f"{value:.4g}") for name, value in amax.items()}}
@@ -661,22 +675,23 @@ def _static_fp8(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.
 
 def _sensitive_kept(model: torch.nn.Module, target: InductorTarget, kept: list[str],
                     batches: list[tuple[torch.Tensor, torch.Tensor]],
-                    scales: Mapping[str, float] | None) -> tuple[list[str], dict[str, Any]]:
+                    scales: Mapping[str, float] | None, causal: bool) -> tuple[list[str], dict[str, Any]]:
     """`kept` and the products fp8 rounds worst per unit of arithmetic, up to target.fp8_bf16_share of it,
-    with the measurement they were chosen by."""
-    from tasks.backends.inductor.llama_graphs import fp8_sensitivity
-    from tasks.backends.inductor.llama_support import keep_sensitive, product_costs
+    with the measurement they were chosen by (the error of a decoder's logits, of an encoder's last
+    hidden state)."""
+    from tasks.backends.inductor import encoder_support, llama_support
 
     started = time.perf_counter()
-    errors = fp8_sensitivity(model, batches, scales)
-    costs = product_costs(model.config)
-    chosen = keep_sensitive(errors, costs, target.fp8_bf16_share, kept)
+    errors = _fp8_graphs(causal).fp8_sensitivity(model, batches, scales)
+    costs = (llama_support if causal else encoder_support).product_costs(model.config)
+    chosen = llama_support.keep_sensitive(errors, costs, target.fp8_bf16_share, kept)
     total = sum(errors.values())
     return chosen, {
         "share": target.fp8_bf16_share, "kept_share": round(sum(costs[n] for n in chosen) / sum(costs.values()), 4),
         "error_kept_share": round(sum(errors[n] for n in chosen) / total, 4) if total else 0.0,
         "seconds": round(time.perf_counter() - started, 3),
-        "logit_mse": {name: float(f"{value:.4g}") for name, value in errors.items()}}
+        # what each product's error was measured on: a decoder's logits, an encoder's last hidden state
+        "logit_mse" if causal else "hidden_mse": {name: float(f"{value:.4g}") for name, value in errors.items()}}
 
 
 def warm_shapes(profiles: list[ProfileSpec]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -767,7 +782,7 @@ class InductorBackend(Backend):
         prefill_shapes, decode_shapes = warm_shapes(profiles)
         batch, seq = max(prefill_shapes)
         compiled = target.format == "compiled"
-        kept = _kept_products(target, model.config) if precision == "fp8" else []
+        kept = _kept_products(target, model.config, causal) if precision == "fp8" else []
         decode_options = decode_products_for(precision, target, kept)
         scaling = sensitivity = None
         calibration_started = time.perf_counter()
@@ -775,9 +790,10 @@ class InductorBackend(Backend):
             _require_fp8(model, causal)
             batches = _device_batches(model, target, calibration)
             if target.fp8_scaling == "static":
-                scaling = _static_fp8(model, batches)
+                scaling = _static_fp8(model, batches, causal)
             if target.fp8_bf16_share:
-                kept, sensitivity = _sensitive_kept(model, target, kept, batches, scaling and scaling["scales"])
+                kept, sensitivity = _sensitive_kept(model, target, kept, batches, scaling and scaling["scales"],
+                                                    causal)
             del batches
         calibration_seconds = time.perf_counter() - calibration_started
         prefill = export_prefill(model, causal, max(batch, 2), max(seq, 2), fp8=precision == "fp8",

@@ -11,8 +11,10 @@ k and v where the qkv product wrote them ([batch, seq, 3 × hidden], q then k th
 head), adds the key-padding bias of each key (natural-log units, as SDPA's float mask; clamped to
 -1e30, so a row whose keys are all padding attends evenly instead of making NaN), keeps the softmax
 in fp32 (exp2 of pre-scaled scores), and writes [batch, seq, hidden], the o product's input, with no
-transpose between. Elsewhere (CPU, no Triton, head sizes that are not powers of two from 16 to 128)
-the op computes the same function through SDPA, so an exported encoder graph runs anywhere.
+transpose between; for an fp8 engine's static o product, already scaled and rounded to e4m3 (half
+the bytes, and no quantising pass between). Elsewhere (CPU, no Triton, head sizes that are not powers
+of two from 16 to 128) the op computes the same function through SDPA, so an exported encoder graph
+runs anywhere.
 
 `cublas_linear`: F.linear that Inductor cannot see into, so max-autotune never swaps it for one of its
 Triton templates. Autotuning times each candidate alone; in the whole forward the templates it picked
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
+
+from tasks.backends.inductor.fp8_linear import FP8, FP8_MAX
 
 try:  # Triton ships with CUDA builds of torch; a CPU-only install computes with torch alone
     import triton
@@ -41,10 +45,11 @@ BIAS_FLOOR = -1e30  # padding's bias is clamped to this (the kernel's literal) s
 
 if triton is not None:
     @triton.jit
-    def _encoder_attention_kernel(qkv_ptr, bias_ptr, o_ptr, S, stride_qb, stride_qs, stride_bb, stride_ob, stride_os,
-                                  qk_scale, H: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Program (block of queries, batch × heads): online softmax over every key of its sequence."""
+    def _encoder_attention_kernel(qkv_ptr, bias_ptr, o_ptr, scale_ptr, S, stride_qb, stride_qs, stride_bb, stride_ob,
+                                  stride_os, qk_scale, H: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                  FP8_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program (block of queries, batch × heads): online softmax over every key of its sequence; with
+        FP8_OUT, the output times *scale_ptr, rounded to e4m3."""
         block = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -76,18 +81,23 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / l_i[:, None]
+        if FP8_OUT:
+            out = tl.clamp(out * tl.load(scale_ptr), -448.0, 448.0)
         tl.store(o_ptr + b * stride_ob + rm[:, None] * stride_os + h * D + rd[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
 
 
-def reference(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int) -> torch.Tensor:
+def reference(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int,
+              out_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What encoder_attention computes, through SDPA."""
     batch, seq, width = qkv.shape
     hidden = width // 3
     q, k, v = qkv.view(batch, seq, 3, heads, hidden // heads).permute(2, 0, 3, 1, 4).unbind(0)
     mask = None if key_bias is None else key_bias.to(qkv.dtype).clamp(min=BIAS_FLOOR)[:, None, None, :]
-    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return attended.transpose(1, 2).reshape(batch, seq, hidden)
+    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(batch, seq, hidden)
+    if out_scale is None:
+        return attended
+    return (attended.float() * out_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def config(head_dim: int) -> tuple[int, int, int, int]:
@@ -95,43 +105,49 @@ def config(head_dim: int) -> tuple[int, int, int, int]:
     return CONFIGS.get(head_dim, CONFIGS[64])
 
 
-def usable(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int) -> bool:
+def usable(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int, out_scale: torch.Tensor | None = None) -> bool:
     """Whether the Triton kernel takes this call (else SDPA does)."""
     head_dim = qkv.shape[-1] // 3 // heads
     return (triton is not None and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)
+            and (out_scale is None or torch.cuda.get_device_capability(qkv.device) >= (8, 9))
             and qkv.stride(-1) == 1 and 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0
             and (key_bias is None or key_bias.stride(-1) == 1))
 
 
 def attention(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int,
-              settings: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """The Triton kernel (CUDA) over qkv [B, S, 3 × hidden] -> [B, S, hidden]."""
+              settings: tuple[int, int, int, int] | None = None, out_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel (CUDA) over qkv [B, S, 3 × hidden] -> [B, S, hidden] (e4m3 with `out_scale`)."""
     batch, seq, width = qkv.shape
     hidden = width // 3
     head_dim = hidden // heads
     block_m, block_n, warps, stages = settings or config(head_dim)
-    out = torch.empty(batch, seq, hidden, dtype=qkv.dtype, device=qkv.device)
+    dtype = qkv.dtype if out_scale is None else FP8
+    out = torch.empty(batch, seq, hidden, dtype=dtype, device=qkv.device)
     bias = key_bias if key_bias is not None else qkv
     _encoder_attention_kernel[(triton.cdiv(seq, block_m), batch * heads)](
-        qkv, bias, out, seq, qkv.stride(0), qkv.stride(1), bias.stride(0), out.stride(0), out.stride(1),
-        head_dim ** -0.5 * 1.4426950408889634, H=heads, D=head_dim, HAS_BIAS=key_bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        qkv, bias, out, out_scale if out_scale is not None else qkv, seq, qkv.stride(0), qkv.stride(1),
+        bias.stride(0), out.stride(0), out.stride(1), head_dim ** -0.5 * 1.4426950408889634, H=heads, D=head_dim,
+        HAS_BIAS=key_bias is not None, FP8_OUT=out_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=stages)
     return out
 
 
 @torch.library.custom_op("smelter::encoder_attention", mutates_args=())
-def encoder_attention(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int) -> torch.Tensor:
+def encoder_attention(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int,
+                      out_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Bidirectional attention of qkv [B, S, 3 × hidden] (q, k, v, each head after head), with an additive
-    bias per key key_bias [B, S] (padding: a large negative number) or none -> [B, S, hidden] in qkv's dtype."""
-    if not usable(qkv, key_bias, heads):
-        return reference(qkv, key_bias, heads)
-    return attention(qkv, key_bias, heads)
+    bias per key key_bias [B, S] (padding: a large negative number) or none -> [B, S, hidden] in qkv's dtype,
+    or, with out_scale (a 0-dim fp32 tensor), times it in e4m3: the input of a static fp8 o product."""
+    if not usable(qkv, key_bias, heads, out_scale):
+        return reference(qkv, key_bias, heads, out_scale)
+    return attention(qkv, key_bias, heads, out_scale=out_scale)
 
 
 @encoder_attention.register_fake
-def _encoder_attention_shape(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int) -> torch.Tensor:
+def _encoder_attention_shape(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int,
+                             out_scale: torch.Tensor | None = None) -> torch.Tensor:
     batch, seq, width = qkv.shape
-    return qkv.new_empty(batch, seq, width // 3)
+    return qkv.new_empty(batch, seq, width // 3, dtype=qkv.dtype if out_scale is None else FP8)
 
 
 @torch.library.custom_op("smelter::cublas_linear", mutates_args=())

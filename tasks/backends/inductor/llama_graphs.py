@@ -49,56 +49,8 @@ from torch.nn import functional as F
 # (importing decode_products also registers smelter::decode_linear and decode_attention, which decode graphs call)
 from tasks.backends.inductor import decode_products
 from tasks.backends.inductor.decode_products import rms_norm
-from tasks.backends.inductor.llama_support import PRODUCTS, fp8_unsupported, product_names, unsupported
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-
-
-class _Linear(nn.Module):
-    """One weight matrix: applied as is, or in e4m3 (per-token scales, or static ones where
-    `input_scale` is given: see the module's docstring).
-
-    Both run the product through torch._scaled_mm's row-wise recipe (one scale per row of the
-    input, one per output channel of the weight): on the H200, cuBLAS's kernels for it took 4.9 ms
-    over the prefill's 56 fp8 products where its one-scale-per-tensor kernels took 6.2 ms. A static
-    scale is folded into the weight's channel scales, and the rows' scales are then all 1."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool, input_scale: float | None = None):
-        super().__init__()
-        self.fp8 = fp8
-        weight = weight.detach()
-        self.register_buffer("inv_input_scale", None)
-        if fp8:
-            scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-            self.weight = nn.Parameter((weight.float() / scale).to(FP8), requires_grad=False)
-            if input_scale is not None:
-                self.register_buffer("inv_input_scale", torch.tensor(1 / input_scale, device=weight.device))
-                scale = scale * input_scale
-            self.register_buffer("scale", scale.view(1, -1).contiguous())
-        else:
-            self.weight = nn.Parameter(weight, requires_grad=False)
-            self.scale = None
-        self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
-
-    def forward(self, x: torch.Tensor, unit_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """`unit_rows`: ones [rows, 1] in fp32, the row scales of a static product; one tensor shared by
-        every product of a forward saves each its own fill."""
-        if not self.fp8:
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])
-        if self.inv_input_scale is not None:
-            quantised = (rows.float() * self.inv_input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-            row_scale = unit_rows if unit_rows is not None else rows.new_ones(rows.shape[0], 1, dtype=torch.float32)
-        else:
-            row_scale = rows.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-            quantised = (rows.float() / row_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        y = torch._scaled_mm(quantised, self.weight.t(), scale_a=row_scale, scale_b=self.scale, out_dtype=x.dtype,
-                             use_fast_accum=True)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], y.shape[-1])
-
+from tasks.backends.inductor.fp8_linear import Fp8Linear, input_amax, layer_products, product_errors
+from tasks.backends.inductor.llama_support import PRODUCTS, fp8_unsupported, unsupported
 
 @torch.library.custom_op("smelter::rope", mutates_args=())
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,19 +98,9 @@ class _Body(nn.Module):
         self.lm_head = nn.Parameter(model.lm_head.weight.detach(), requires_grad=False)
         self.norm = nn.Parameter(body.norm.weight.detach(), requires_grad=False)
         self.rope = _Rope(body.rotary_emb)
-        names = product_names(len(body.layers))
-        unknown = sorted(set(kept) - set(names))
-        if unknown:
-            raise ValueError(f"no such products {unknown}: this model's are layers.0-{len(body.layers) - 1}."
-                             f"{'/'.join(PRODUCTS)}")
-        quantised = [name for name in names if fp8 and name not in kept]
-        unscaled = sorted(set(quantised) - set(input_scales)) if input_scales is not None else []
-        if unscaled:
-            raise ValueError(f"static fp8 scales are missing for {unscaled[:4]}{' ...' if len(unscaled) > 4 else ''}")
-        self.layers = nn.ModuleList(
-            _Layer(layer, self.heads, self.kv_heads, self.head_dim, self.eps,
-                   {p: (input_scales or {}).get(f"layers.{i}.{p}") for p in PRODUCTS if f"layers.{i}.{p}" in quantised})
-            for i, layer in enumerate(body.layers))
+        fp8_products = layer_products(len(body.layers), PRODUCTS, fp8, kept, input_scales)
+        self.layers = nn.ModuleList(_Layer(layer, self.heads, self.kv_heads, self.head_dim, self.eps, products)
+                                    for layer, products in zip(body.layers, fp8_products))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head)
@@ -192,68 +134,30 @@ def calibrate_input_amax(model: nn.Module, batches: Iterable[tuple[torch.Tensor,
     `batches` ((input_ids, attention_mask) on the model's device), through the unquantised prefill:
     ModelOpt's `max` calibration, what static fp8 scales are set from."""
     graph = LlamaPrefill(model).eval()
-    amax: dict[str, torch.Tensor] = {}
-    real: list[torch.Tensor] = []  # the current batch's real tokens, one flag per row of a product's input
-
-    def observe(name: str) -> Any:
-        def hook(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            rows = args[0].reshape(-1, args[0].shape[-1])[real[0]]
-            if rows.numel():
-                value = rows.abs().amax().float()
-                amax[name] = torch.maximum(amax[name], value) if name in amax else value
-        return hook
-
-    handles = [getattr(layer, product).register_forward_pre_hook(observe(f"layers.{i}.{product}"))
-               for i, layer in enumerate(graph.layers) for product in PRODUCTS]
-    try:
-        with torch.no_grad():
-            for ids, mask in batches:
-                real[:] = [mask.reshape(-1).bool()]
-                graph(ids, mask)
-    finally:
-        for handle in handles:
-            handle.remove()
-    if len(amax) < len(handles):
-        raise ValueError("fp8 calibration: the calibration feeds hold no real tokens")
-    return {name: float(value) for name, value in amax.items()}
+    products = {f"layers.{i}.{product}": getattr(layer, product)
+                for i, layer in enumerate(graph.layers) for product in PRODUCTS}
+    return input_amax(products, graph, batches)
 
 
 def fp8_sensitivity(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                     input_scales: Mapping[str, float] | None = None) -> dict[str, float]:
     """Each product's fp8 error as the logits see it: the mean squared change of every logit at every
     real token of `batches` ((input_ids, attention_mask) on the model's device) when that product
-    alone runs in e4m3 (with `input_scales`, else per-token scales). Independent rounding errors add
-    up, so these say what keeping each product in bf16 buys (llama_support.keep_sensitive).
+    alone runs in e4m3 (with `input_scales`, else per-token scales): fp8_linear.product_errors.
 
     The logits' change is the final norm's change dh times the LM head W, so its squared sum over the
     vocabulary is dh·(WᵀW)·dh: no [tokens, vocab] tensor is made."""
     graph = LlamaPrefill(model).eval()
     head = graph.lm_head.float()
     gram = head.t() @ head
-    batches = list(batches)
 
     def final_norm(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return rms_norm(graph.hidden(ids), graph.norm, graph.eps)[mask.bool()].float()
 
-    errors: dict[str, float] = {}
-    with torch.no_grad():
-        reference = [final_norm(ids, mask) for ids, mask in batches]
-        entries = sum(r.shape[0] for r in reference) * head.shape[0]
-        if not entries:
-            raise ValueError("fp8 sensitivity: the calibration feeds hold no real tokens")
-        for i, layer in enumerate(graph.layers):
-            for product in PRODUCTS:
-                exact = getattr(layer, product)
-                name = f"layers.{i}.{product}"
-                scale = input_scales[name] if input_scales is not None else None
-                setattr(layer, product, _Linear(exact.weight, exact.bias, fp8=True, input_scale=scale))
-                total = 0.0
-                for (ids, mask), expected in zip(batches, reference):
-                    change = final_norm(ids, mask) - expected
-                    total += float(((change @ gram) * change).sum())
-                errors[name] = total / entries
-                setattr(layer, product, exact)
-    return errors
+    products = {f"layers.{i}.{product}": (layer, product)
+                for i, layer in enumerate(graph.layers) for product in PRODUCTS}
+    return product_errors(products, batches, final_norm, head.shape[0], lambda change: ((change @ gram) * change).sum(),
+                          input_scales)
 
 
 class _DecodeLinear(nn.Module):
@@ -345,8 +249,8 @@ class _Layer(nn.Module):
         self.ln2 = frozen(layer.post_attention_layernorm.weight)
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases = [getattr(p, "bias", None) for p in projections]
-        def linear(product: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> _Linear:
-            return _Linear(weight, bias, product in fp8_products, fp8_products.get(product))
+        def linear(product: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Fp8Linear:
+            return Fp8Linear(weight, bias, product in fp8_products, fp8_products.get(product))
 
         self.qkv = linear("qkv", torch.cat([p.weight for p in projections]),
                           torch.cat(biases) if all(b is not None for b in biases) else None)

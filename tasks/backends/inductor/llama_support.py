@@ -27,13 +27,11 @@ def unsupported(config: Any) -> str | None:
     return None
 
 
-def fp8_unsupported(config: Any, decoder: bool = True) -> str | None:
-    """Why this model's products cannot run in fp8 here (torch._scaled_mm needs dimensions divisible by 16)."""
-    if not decoder:
-        return "fp8 is built for Llama-family decoders only; this model's task is not text generation"
+def fp8_unsupported(config: Any) -> str | None:
+    """Why this decoder's products cannot run in fp8 here (torch._scaled_mm needs dimensions divisible by 16)."""
     problem = unsupported(config)
     if problem:
-        return f"fp8 is built for Llama-family decoders only: {problem}"
+        return f"fp8 is built for Llama-family decoders and BERT-family encoders only: {problem}"
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = config.num_key_value_heads or heads
@@ -43,22 +41,24 @@ def fp8_unsupported(config: Any, decoder: bool = True) -> str | None:
     return f"fp8 products need sizes divisible by 16; this model has {', '.join(odd)}" if odd else None
 
 
-def product_names(layers: int) -> list[str]:
-    """Each layer product's name, as a target's fp8_exclude globs see them: layers.0.qkv ... layers.<n-1>.down."""
-    return [f"layers.{i}.{product}" for i in range(layers) for product in PRODUCTS]
+def product_names(layers: int, products: tuple[str, ...] = PRODUCTS) -> list[str]:
+    """Each layer product's name, as a target's fp8_exclude globs see them: layers.0.qkv ... layers.<n-1>.down
+    (`products`: each layer's, the Llama-family graphs' unless given)."""
+    return [f"layers.{i}.{product}" for i in range(layers) for product in products]
 
 
-def fp8_kept(globs: list[str], layers: int) -> tuple[list[str], list[tuple[int, str]]]:
+def fp8_kept(globs: list[str], layers: int,
+             products: tuple[str, ...] = PRODUCTS) -> tuple[list[str], list[tuple[int, str]]]:
     """The products `globs` keep in bf16 (in graph order), and (index, why) for each glob that matches
     none: a typo would otherwise quantise the very layer it meant to keep."""
-    names = product_names(layers)
+    names = product_names(layers, products)
     kept: set[str] = set()
     problems = []
     for i, pattern in enumerate(globs):
         matched = fnmatch.filter(names, pattern)
         if not matched:
             problems.append((i, f"{pattern!r} matches no product of this model; its {layers} layers' products are "
-                                f"layers.<0-{layers - 1}>.{'|'.join(PRODUCTS)}"))
+                                f"layers.<0-{layers - 1}>.{'|'.join(products)}"))
         kept.update(matched)
     return [name for name in names if name in kept], problems
 

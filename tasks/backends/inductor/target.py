@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from tasks.backends.base import TargetSpec
-from tasks.backends.inductor.llama_support import fp8_kept, fp8_unsupported
+from tasks.backends.inductor import encoder_support, llama_support
+from tasks.backends.inductor.llama_support import fp8_kept
 from tasks.config.bounds import MAX_PATTERNS, MAX_THREADS, Arch, Pattern, arch_number
 from tasks.config.yaml_source import clip
 
 FP8_SETTINGS = ("fp8_exclude", "fp8_scaling", "fp8_bf16_share")  # read by fp8 builds only
+
+
+def fp8_rules(decoder: bool) -> tuple[Callable[[Any], str | None], tuple[str, ...]]:
+    """Why a model's config cannot be built in fp8 (or None), and each layer's product names, for the graph
+    family that builds it: Llama-family graphs for decoders, the encoder graph for encoders."""
+    if decoder:
+        return llama_support.fp8_unsupported, llama_support.PRODUCTS
+    return encoder_support.fp8_unsupported, encoder_support.PRODUCTS
 
 
 class InductorTarget(TargetSpec):
@@ -37,14 +46,16 @@ class InductorTarget(TargetSpec):
                                                       "(device: cuda)")
     fp8_exclude: list[Pattern] = Field(default_factory=list, max_length=MAX_PATTERNS,
                                        description="an fp8 build's products kept in bf16: globs over "
-                                                   "layers.<i>.qkv|o|gate_up|down")
+                                                   "layers.<i>.qkv|o|gate_up|down (decoders) or "
+                                                   "layers.<i>.qkv|o|up|down (encoders)")
     fp8_scaling: Literal["per-token", "static"] = Field(
         "per-token", description="an fp8 build's activation scales: per-token (computed as each input arrives) "
         "or static (one per product input, calibrated on calibration.data at build: faster; values past the "
         "calibrated range are clipped)")
     fp8_bf16_share: float = Field(
         0.0, ge=0.0, le=0.5, description="an fp8 build keeps in bf16 up to this share of its products' arithmetic: "
-        "fp8_exclude's products first, then those whose e4m3 rounding disturbs the logits most per unit of "
+        "fp8_exclude's products first, then those whose e4m3 rounding disturbs the output (a decoder's logits, an "
+        "encoder's last hidden state) most per unit of "
         "arithmetic, measured at build on calibration.data")
     threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="intra-op threads (device: cpu)")
 
@@ -94,14 +105,16 @@ class InductorTarget(TargetSpec):
 
     def model_problems(self, precision: str, config: Mapping[str, Any],
                        decoder: bool) -> list[tuple[tuple[Any, ...], str]]:
-        """fp8 engines come from the Llama-family graphs only, and fp8_exclude names their products: said by
-        `smelter validate`, not after the export."""
+        """fp8 engines come from the Llama-family graphs (decoders) and the encoder graph (BERT-family encoders)
+        only, and fp8_exclude names their products: said by `smelter validate`, not after the export."""
         if precision != "fp8":
             return []
+        unsupported, products = fp8_rules(decoder)
         try:
-            problem = fp8_unsupported(SimpleNamespace(**{"num_key_value_heads": None, **config}), decoder)
+            problem = unsupported(SimpleNamespace(**{"num_key_value_heads": None, **config}))
         except (AttributeError, TypeError, ZeroDivisionError) as e:
-            problem = f"fp8 needs a Llama-family config with its sizes; this one lacks them ({clip(str(e))})"
+            family = "a Llama-family" if decoder else "a BERT-family"
+            problem = f"fp8 needs {family} config with its sizes; this one lacks them ({clip(str(e))})"
         if problem:
             return [((), problem)]
         if not self.fp8_exclude:
@@ -110,4 +123,4 @@ class InductorTarget(TargetSpec):
         if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
             return [(("fp8_exclude",), f"naming layers needs the model's num_hidden_layers; this config has "
                                        f"{clip(repr(layers))}")]
-        return [(("fp8_exclude", j), why) for j, why in fp8_kept(self.fp8_exclude, layers)[1]]
+        return [(("fp8_exclude", j), why) for j, why in fp8_kept(self.fp8_exclude, layers, products)[1]]
