@@ -14,9 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 BOUNDS = REPO / "tasks" / "config" / "bounds.py"
 # Names each module of a kind declares for itself, meaning the same thing of a different module: a stage's
 # CODE (its modules, in its key), TOOLS (versioned in its key) and STAGE; the Triton KERNELS a module of ops
-# launches; or one word for two things that are not alike (MLflow's webhook headers and smelter's own, a file
-# name per module, a poll interval per loop).
-OWN_PER_MODULE = {"CODE", "TOOLS", "STAGE", "PREFIX", "FILE", "EVENT", "POLL_S", "KERNELS",
+# launches; each graph family's PRODUCTS; or one word for two things that are not alike (MLflow's webhook
+# headers and smelter's own, a file name per module, a poll interval per loop).
+OWN_PER_MODULE = {"CODE", "TOOLS", "STAGE", "PREFIX", "FILE", "EVENT", "POLL_S", "KERNELS", "PRODUCTS",
                   "DELIVERY_ID_HEADER", "SIGNATURE_HEADER", "TIMESTAMP_HEADER"}
 
 

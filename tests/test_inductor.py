@@ -400,7 +400,7 @@ def test_fp8_is_admitted_for_bert_encoders_and_refused_for_other_encoders_with_t
     assert "lacks them" in target.model_problems("fp8", {"model_type": "bert"}, decoder=False)[0][1]
     from tasks.backends.inductor import encoder_graphs, encoder_support
 
-    assert set(encoder_graphs.ACTIVATIONS) == set(encoder_support.ACTIVATIONS), "the graph runs what validate admits"
+    assert set(encoder_graphs.ACTIVATION_FUNCTIONS) == set(encoder_support.ACTIVATIONS), "the graph runs what validate admits"
 
 
 def test_keep_sensitive_fills_the_share_with_the_most_error_per_multiply_add(llama: LlamaForCausalLM) -> None:

@@ -40,8 +40,8 @@ from tasks.backends.inductor import encoder_ops  # noqa: F401
 from tasks.backends.inductor.encoder_support import PRODUCTS, fp8_unsupported, unsupported
 from tasks.backends.inductor.fp8_linear import Fp8Linear, input_amax, layer_products, product_errors
 
-ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+ACTIVATION_FUNCTIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
 
 class _Norm(nn.Module):
@@ -82,7 +82,7 @@ class _Layer(nn.Module):
         attention = layer.attention.self
         self.heads = heads
         # GELU's tanh form where the up product's epilogue would compute it (an fp8 product has none)
-        self.act = ACTIVATIONS["gelu_new" if gelu_epilogue and act.startswith("gelu") else act]
+        self.act = ACTIVATION_FUNCTIONS["gelu_new" if gelu_epilogue and act.startswith("gelu") else act]
         self.own_attention = own_attention
         linears = {"qkv": (torch.cat([attention.query.weight, attention.key.weight, attention.value.weight]),
                            torch.cat([attention.query.bias, attention.key.bias, attention.value.bias])),
