@@ -22,6 +22,12 @@ HIGHER_IS_BETTER = ("cosine_mean", "cosine_min", "label_agreement", "top1_agreem
                     "speedup_vs_reference")
 
 
+def short_name(metric: str) -> str:
+    """The word a gated figure goes by where a line is short (the summary figure's bars, the runs table's
+    reason cell): `speedup`, `p99_ms`, `cosine_min`."""
+    return "speedup" if metric == "speedup_vs_reference" else metric.removeprefix("accuracy.")
+
+
 def _point(row: dict[str, Any], names: tuple[str, ...], prefix: str = "") -> dict[str, Any]:
     """The named figures of one measured point; a ratio also gives its interval as `<name>_ci_low/high`."""
     found = {f"{prefix}{k}": row[k] for k in names if k in row}

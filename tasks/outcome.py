@@ -23,6 +23,7 @@ class GateResult:
     passed: bool
     reasons: tuple[str, ...] = ()
     inconclusive: bool = False  # not passed, because it could not be judged (timing on a busy machine)
+    missed: tuple[str, ...] = ()  # the figures whose bound it missed, a word each (tasks.metrics short_name)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,14 @@ class CandidateOutcome:
     model_name: str | None = None
     model_version: str | None = None
     decision: Decision | None = None
+
+    @property
+    def missed_gates(self) -> list[str]:
+        """Why it was rejected, a word per gate, as the summary figure and the runs table say it: each figure
+        whose bound it missed (`speedup`, `p99_ms`, `cosine_min`), else the failed gate's name (validity,
+        regression, accuracy for a NaN sample)."""
+        words = [word for g in self.gates if not g.passed and not g.inconclusive for word in (g.missed or (g.gate,))]
+        return list(dict.fromkeys(words))
 
     @property
     def gate_reasons(self) -> list[str]:

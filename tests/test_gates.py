@@ -72,6 +72,26 @@ def test_each_missed_threshold_is_named(acc: dict, bench: dict | None, gate: str
     assert any(reason in r for r in reasons), reasons
 
 
+@pytest.mark.parametrize(("acc", "bench", "previous", "words"), [
+    (accuracy(), benchmark(speedup=1.1, p99=80), None, ["speedup", "p99_ms"]),
+    (accuracy(cosine_min=0.9), benchmark(), None, ["cosine_min"]),
+    (accuracy(cosine_min=float("nan")), None, None, ["cosine_min", "speedup", "p99_ms"]),
+    (accuracy(finite=False), benchmark(), None, ["validity"]),
+    (accuracy(cosine_min=0.98), benchmark(), {"version": "3", "metrics": {"accuracy.cosine_min": 0.999}},
+     ["regression"]),
+])
+def test_a_rejected_candidate_is_said_in_a_word_per_missed_gate(acc: dict, bench: dict | None,
+                                                                  previous: dict | None, words: list[str]) -> None:
+    """The words the summary figure labels a rejected bar with and the runs table's reason cell says: the gates'
+    own, not parsed back from their reasons."""
+    from tasks.config.spec import Candidate
+    from tasks.outcome import CandidateOutcome
+
+    gates = evaluate(GateSettings.of(spec()), measured(acc, bench), acc.get("validity"), previous)
+    outcome = CandidateOutcome(Candidate("enc", "fp32", "cpu"), "rejected", gates=gates)
+    assert outcome.missed_gates == words
+
+
 def test_a_missed_speed_threshold_shows_its_interval() -> None:
     _, reasons = judge(accuracy(), benchmark(speedup=1.1))["performance"]
     assert reasons == ("speedup_vs_reference 1.1 < min 1.2 (95% interval [1.04, 1.16])",)

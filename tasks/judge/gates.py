@@ -18,12 +18,12 @@ from typing import Any
 
 from tasks.config.settings import GateSettings
 from tasks.config.spec import Threshold
-from tasks.metrics import HIGHER_IS_BETTER
+from tasks.metrics import HIGHER_IS_BETTER, short_name
 from tasks.outcome import GateResult
 
 
 def _check(name: str, thresholds: dict[str, Threshold], values: dict[str, float]) -> GateResult:
-    reasons = []
+    reasons, missed = [], []
     for metric, threshold in thresholds.items():
         value = values.get(metric)
         if value is None:
@@ -32,7 +32,10 @@ def _check(name: str, thresholds: dict[str, Threshold], values: dict[str, float]
             interval = values.get(f"{metric}_ci_low"), values.get(f"{metric}_ci_high")
             shown = f" (95% interval [{interval[0]:.3g}, {interval[1]:.3g}])" if None not in interval else ""
             reasons.append(f"{metric} {why}{shown}")
-    return GateResult(name, not reasons, tuple(reasons))
+        else:
+            continue
+        missed.append(short_name(metric))
+    return GateResult(name, not reasons, tuple(reasons), missed=tuple(missed))
 
 
 def performance_gate(thresholds: dict[str, Threshold], metrics: dict[str, float]) -> GateResult:
@@ -100,7 +103,7 @@ def accuracy_gate(thresholds: dict[str, Threshold], values: dict[str, float],
     named = tuple(f"{column} is NaN or Inf in sample{'s' if len(samples) > 1 else ''} "
                   f"{', '.join(map(str, samples[:5]))}{f' and {len(samples) - 5} more' if len(samples) > 5 else ''}"
                   for column, samples in sorted(bad.items()))
-    return GateResult("accuracy", checked.passed and not named, checked.reasons + named)
+    return GateResult("accuracy", checked.passed and not named, checked.reasons + named, missed=checked.missed)
 
 
 def evaluate(settings: GateSettings, metrics: dict[str, float], validity: dict[str, Any] | None,

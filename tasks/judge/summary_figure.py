@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.config.settings import FigureSettings
 from tasks.config.spec import Threshold, point_words
-from tasks.judge.gate_words import RATIO, gated_figures, misses, missed_gates, short_name
+from tasks.judge.gate_words import RATIO, gated_figures, misses
+from tasks.metrics import short_name
 from tasks.outcome import CandidateOutcome
 from tasks.runtime.whole_file import write_whole
 
@@ -42,7 +43,7 @@ def status_label(settings: FigureSettings, outcome: CandidateOutcome) -> str:
     """`promoted @champion`, `rejected: p99_ms`, `pending (machine busy)`, ..."""
     if outcome.status == "pending":
         label = "pending (machine busy)"
-    elif outcome.status == "rejected" and (why := missed_gates(settings.gates, outcome)):
+    elif outcome.status == "rejected" and (why := outcome.missed_gates):
         label = f"rejected: {', '.join(why)}"
     else:
         label = outcome.status

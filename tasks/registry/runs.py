@@ -381,26 +381,11 @@ def outcome_line(outcomes: list[CandidateOutcome]) -> str:
         if o.status in ("promoted", "passed"):
             return f"{said} v{o.model_version}" if o.model_version else said
         if o.status == "rejected":
-            return f"{said}: {', '.join(_missed_words(o)) or 'gates'}"
+            return f"{said}: {', '.join(o.missed_gates) or 'gates'}"
         if o.status == "failed":
             return f"{said}: {o.failed_stage or 'error'}"
         return f"{said}: machine busy" if o.status == "pending" else said
     return " · ".join(part(o) for o in outcomes) or "no candidates"
-
-
-def _missed_words(outcome: CandidateOutcome) -> list[str]:
-    """The figure each failed gate missed (`speedup`, `p99_ms`, `cosine_min`), or the gate's name where it names
-    no figure (validity, regression)."""
-    words = []
-    for gate in outcome.gates:
-        if gate.passed or gate.inconclusive:
-            continue
-        named = [reason.split()[0].rstrip(":") for reason in gate.reasons if reason.split()]
-        words += [SHORT_WORDS.get(word, word) for word in named] or [gate.gate]
-    return list(dict.fromkeys(words))
-
-
-SHORT_WORDS = {"speedup_vs_reference": "speedup"}  # as tasks/judge/gate_words.py labels the figure's bars
 
 
 SHORT_REASON = 60  # characters of a row's why: a table row stays one line on the run page
