@@ -381,11 +381,26 @@ def _next_step(summaries: list[dict[str, Any]], specs: Any, log_path: Path) -> s
     if "promoted" in statuses:
         return (f"deploy {', '.join(_alias_uris(summaries, specs, promoted=True))}; an unchanged "
                 "re-run is cached and moves nothing")
-    if held := _alias_uris(summaries, specs, promoted=False):
+    if held := _alias_uris(summaries, specs, promoted=False) + _champions_held_elsewhere(summaries, specs):
         return f"nothing moved; {', '.join(held)} stays what to deploy; each candidate's reason is above"
+    if "passed" in statuses:
+        return "nothing promoted: each passing candidate's reason is above"
     return ("nothing promoted and nothing to deploy yet: every candidate missed a gate (the reasons are above; the "
             "summary figure on the MLflow run shows each bound); build something else (precisions, quantization) or "
             "change the gates in the pipelines file, then run again")
+
+
+def _champions_held_elsewhere(summaries: list[dict[str, Any]], specs: Any) -> list[str]:
+    """`models:/<name>@<alias> (vN)` of each alias that stayed on a version none of this run's candidates built
+    (an engine of earlier settings): still what is deployed, whatever this run's candidates ended as."""
+    from tasks.config.schema import registered_model_name
+
+    held = {(s["pipeline"], s["target"], (s.get("decision") or {}).get("champion")) for s in summaries
+            if s["pipeline"] in specs.pipelines and not (s.get("decision") or {}).get("holds_alias")}
+    holders = {(s["pipeline"], s["target"]) for s in summaries if (s.get("decision") or {}).get("holds_alias")}
+    return sorted(f"models:/{registered_model_name(pipeline, target)}@{specs.pipelines[pipeline].promotion.alias} "
+                  f"(v{version})" for pipeline, target, version in held
+                  if version and (pipeline, target) not in holders)
 
 
 def _mlflow_command() -> str:

@@ -411,3 +411,21 @@ def test_a_champion_of_the_same_or_an_unrecorded_model_is_judged_on_speed(champi
     result = run(candidate("fp32", vs_champion=(0.989, 0.97, 1.01), champion=measured("champion v3"), model=NEW_MODEL,
                            key="new-fp32"), champion=champion)
     assert result["fp32"][:2] == (False, False) and result["fp32"][2].startswith("not significant: 0.989x")
+
+
+@pytest.mark.parametrize("int8_passes", [True, False])
+def test_a_champion_none_of_the_candidates_built_is_still_named_as_what_to_deploy(int8_passes: bool) -> None:
+    """The champion's engine is of earlier settings, so no candidate of this run is it: whether one passed without
+    taking the alias or all missed a gate, the alias stays on it, and `smelter run`'s last line says so (not
+    "nothing to deploy yet")."""
+    from flows.cli import _next_step
+    from tasks.config.spec import PipelinesFile
+
+    champion = Champion("enc-cpu", "3", "run-3", "key-of-earlier-settings", "int8")
+    outcomes = [candidate("fp32", passed=False),
+                candidate("int8", passed=int8_passes, vs_champion=(1.02, 0.92, 1.09), conclusive=False)]
+    decide(DecisionSettings.of(SPEC), outcomes, {"cpu": champion})
+    assert not any(o.decision.holds_alias for o in outcomes)
+    specs = PipelinesFile(path=Path("pipelines.yaml"), pipelines={"enc": SPEC})
+    line = _next_step([o.summary() for o in outcomes], specs, Path("run.log"))
+    assert line == "nothing moved; models:/enc-cpu@champion (v3) stays what to deploy; each candidate's reason is above"

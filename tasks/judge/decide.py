@@ -174,7 +174,7 @@ def decide_target(settings: DecisionSettings, outcomes: list[CandidateOutcome], 
         if not outcome.passed_gates and outcome not in pending:
             kept = " (still holds the alias: no passing candidate can replace it)" if outcome is holder and not passing else ""
             outcome.decision = Decision(_outside_reason(outcome) + kept, holds_alias=bool(kept),
-                                        champion=champion.version if kept else None)
+                                        champion=champion.version if champion else None)
     if not passing:
         return
     busy = next((share for o in outcomes if (share := busy_share(o)) is not None), None)
