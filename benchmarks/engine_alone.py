@@ -4,8 +4,10 @@ For each pipeline's ONNX Runtime (CPU) target, the newest measurement in the art
 `smelter run` recorded, and so what gates, decisions and the registry read): every candidate's p50 and p99 at
 the gate point and its speedup over the PyTorch reference. Then each contender runs alone, outside the stage's
 code path: a fresh Python process loads one engine (ONNX Runtime directly, with the session settings its build
-recorded in engine.json) or the reference, makes the same feeds, runs `--warmup` untimed calls and `--calls`
-timed ones with its own perf_counter loop, and prints the samples. Nothing else of smelter runs meanwhile.
+recorded in engine.json) or the reference, makes the same feeds, runs `--warmup` untimed calls, then timed
+ones with its own perf_counter loop (at least `--calls` of them over at least `--min-seconds`: the run's
+rounds span seconds, so its p99 meets the machine's periodic work, and 200 calls of a 0.3 ms engine span
+60 ms, which meet none), and prints the samples. Nothing else of smelter runs meanwhile.
 
 Two alone measurements of one engine minutes apart can differ by tens of percent on a shared machine, so the
 processes are alternated over `--passes` passes (another order each pass) and the median over passes is kept,
@@ -13,7 +15,7 @@ with the passes' min-max spread beside it: a spread wider than a tolerance is sa
 
 Tolerances (in-run vs alone): p50 within 10%, p99 within 25%, speedup within 10%.
 Usage: python benchmarks/engine_alone.py [-f pipelines.yaml] [--pipeline NAME ...] [--passes 5] [--calls 200]
-       [--all-points] [--json OUT]
+       [--min-seconds 5] [--all-points] [--json OUT]
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     for _ in range(job["warmup"]):
         call()
     samples = []
-    for _ in range(job["calls"]):
+    began = time.perf_counter()
+    while len(samples) < job["calls"] or time.perf_counter() - began < job["min_seconds"]:
         start = time.perf_counter()
         call()
         samples.append((time.perf_counter() - start) * 1e3)
@@ -145,7 +148,7 @@ def check_point(args: argparse.Namespace, pipeline: str, target: str, measuremen
         for name in order:
             job = {"file": args.file, "pipeline": pipeline, "contender": name, "point": point,
                    "engine_dir": engine_dirs.get(name, engine_dirs[candidates[0]]), "threads": outputs["threads"],
-                   "warmup": args.warmup, "calls": args.calls}
+                   "warmup": args.warmup, "calls": args.calls, "min_seconds": args.min_seconds}
             samples[name].append(alone(job))
     figures: dict[str, Any] = {}
     for name in contenders:
@@ -158,8 +161,8 @@ def check_point(args: argparse.Namespace, pipeline: str, target: str, measuremen
         figures[name] |= {"speedup": statistics.median(ratios), "speedup_spread": [min(ratios), max(ratios)]}
     rows = []
     reference_row = recorded_rows[candidates[0]]
-    print(f"\n{pipeline}/{target} at {point}, {len(candidates)} candidate(s), {args.passes} passes of {args.calls} "
-          f"calls; measurement {measurement['_dir']} (other processes used "
+    print(f"\n{pipeline}/{target} at {point}, {len(candidates)} candidate(s), {args.passes} passes of at least "
+          f"{args.calls} calls over {args.min_seconds:g} s; measurement {measurement['_dir']} (other processes used "
           f"{outputs['host'].get('foreign_cpu_share')} of the CPU while it was taken)")
     print(f"{'contender':<24} {'in-run p50':>10} {'alone p50 [spread]':>26} {'':>10} {'in-run p99':>10} "
           f"{'alone p99 [spread]':>26} {'':>10} {'in-run x':>8} {'alone x [spread]':>22}")
@@ -181,6 +184,7 @@ def check_point(args: argparse.Namespace, pipeline: str, target: str, measuremen
         rows.append(row)
     return {"pipeline": pipeline, "target": target, "point": point, "measurement": measurement["_dir"],
             "host": outputs["host"], "threads": outputs["threads"], "passes": args.passes, "calls": args.calls,
+            "min_seconds": args.min_seconds,
             "rows": rows}
 
 
@@ -192,6 +196,9 @@ def main() -> int:
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--min-seconds", type=float, default=5.0,
+                        help="time calls for at least this long (a p99 of 60 ms of calls meets none of the "
+                             "machine's periodic work that the run's seconds of rounds meet)")
     parser.add_argument("--all-points", action="store_true", help="every point the stage measured, not only the gate point")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--one", help=argparse.SUPPRESS)
