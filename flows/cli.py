@@ -393,14 +393,10 @@ def _next_step(summaries: list[dict[str, Any]], specs: Any, log_path: Path) -> s
 def _champions_held_elsewhere(summaries: list[dict[str, Any]], specs: Any) -> list[str]:
     """`models:/<name>@<alias> (vN)` of each alias that stayed on a version none of this run's candidates built
     (an engine of earlier settings): still what is deployed, whatever this run's candidates ended as."""
-    from tasks.config.schema import registered_model_name
-
-    held = {(s["pipeline"], s["target"], (s.get("decision") or {}).get("champion")) for s in summaries
-            if s["pipeline"] in specs.pipelines and not (s.get("decision") or {}).get("holds_alias")}
     holders = {(s["pipeline"], s["target"]) for s in summaries if (s.get("decision") or {}).get("holds_alias")}
-    return sorted(f"models:/{registered_model_name(pipeline, target)}@{specs.pipelines[pipeline].promotion.alias} "
-                  f"(v{version})" for pipeline, target, version in held
-                  if version and (pipeline, target) not in holders)
+    return sorted({f"{_alias_uri(s['pipeline'], s['target'], specs)} (v{s['decision']['champion']})"
+                   for s in summaries if s["pipeline"] in specs.pipelines and (s.get("decision") or {}).get("champion")
+                   and (s["pipeline"], s["target"]) not in holders})
 
 
 def _mlflow_command() -> str:
@@ -417,9 +413,16 @@ def _mlflow_command() -> str:
 
 def _alias_uris(summaries: list[dict[str, Any]], specs: Any, *, promoted: bool) -> list[str]:
     """`models:/<name>@<alias>` of the versions this run promoted, or of those holding the alias after it."""
-    return sorted({f"models:/{s['registered_model']}@{specs.pipelines[s['pipeline']].promotion.alias}"
+    return sorted({_alias_uri(s["pipeline"], s["target"], specs)
                    for s in summaries if s.get("registered_model") and s["pipeline"] in specs.pipelines
                    and (s["status"] == "promoted" if promoted else (s.get("decision") or {}).get("holds_alias"))})
+
+
+def _alias_uri(pipeline: str, target: str, specs: Any) -> str:
+    """`models:/<registered model>@<alias>`: what a deployment of (pipeline, target) loads."""
+    from tasks.config.schema import registered_model_name
+
+    return f"models:/{registered_model_name(pipeline, target)}@{specs.pipelines[pipeline].promotion.alias}"
 
 
 def _reason(summary: dict[str, Any], specs: Any) -> str:

@@ -139,7 +139,7 @@ def tally(statuses: Iterable[str]) -> str:
     """How a run ended, e.g. "1 promoted, 2 rejected, 0 pending, 0 failed" (and how many passed without
     being promoted, when any did): the flow run's final message."""
     counts = Counter(statuses)
-    text = ", ".join(f"{counts[s]} {s}" for s in ("promoted", "rejected", "pending", "failed"))
+    text = ", ".join(f"{counts[s]} {s}" for s in STATUSES if s != "passed")
     return text + (f"; {counts['passed']} passed, not promoted" if counts["passed"] else "")
 
 

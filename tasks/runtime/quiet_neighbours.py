@@ -4,9 +4,10 @@ The temporary Prefect server a run starts for itself shares the run's cores. Whi
 3-4% of a core, in wake-ups of 20-30 ms every few seconds (its services' loops, its task queue); on a
 2-core machine a wake-up takes a core from one of the engine's two threads, and the call that meets it runs
 that much longer. That was the in-run p99: minilm's engines read 34-51 ms in the run and 20-37 ms alone in
-a fresh process (benchmarks/engine_alone.py); paused, 21-28 ms against 22-36. Nothing of the run needs the server while engines are timed: a Prefect call
-made meanwhile (a batch of logs, a slot's renewal) waits and is answered when it resumes, well inside its
-timeout, and a slot's lease outlives the longest pause (LEASE_S in locks.py).
+a fresh process (benchmarks/engine_alone.py); paused, 21-28 ms against 22-36. Nothing of the run needs the
+server while engines are timed: a Prefect call made meanwhile (a batch of logs, a slot's renewal) waits
+and is answered when it resumes, well inside its timeout, and a slot's lease outlives the longest pause
+(LEASE_S in locks.py).
 
 Only processes this run started and registered are paused (a lasting server is someone else's), for at
 most MAX_PAUSE_S at a time, and they resume whatever ends the timing: its end, an exception, or a stop
