@@ -13,19 +13,28 @@ Two alone measurements of one engine minutes apart can differ by tens of percent
 processes are alternated over `--passes` passes (another order each pass) and the median over passes is kept,
 with the passes' min-max spread beside it: a spread wider than a tolerance is said, never hidden.
 
+One in-run measurement against passes taken minutes after it still compares two moments of the machine. With
+`--runs K` the stage measures again K times (`smelter run` in its own process, as a user runs it: the
+pipeline's benchmark outputs deleted, or with `--fresh` on new empty stores, so the run exports, calibrates and
+builds in that process first), each run followed at once by one alone pass: both sides are then medians over
+the same minutes, and `paired` is the median of each run against the pass right after it.
+
 Tolerances (in-run vs alone): p50 within 10%, p99 within 25%, speedup within 10%.
-Usage: python benchmarks/engine_alone.py [-f pipelines.yaml] [--pipeline NAME ...] [--passes 5] [--calls 200]
-       [--min-seconds 5] [--all-points] [--json OUT]
+Usage: python benchmarks/engine_alone.py [-f pipelines.yaml] [--pipeline NAME ...] [--passes 5 | --runs K [--fresh]]
+       [--calls 200] [--min-seconds 5] [--all-points] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -120,72 +129,136 @@ def rows_at(engine: dict[str, Any], point: dict[str, int]) -> dict[str, Any]:
     return next(row for row in engine.get(key, []) if gate_shape(row) == point)
 
 
-def check_target(args: argparse.Namespace, pipeline: str, target: str, measurement: dict[str, Any],
-                 artifacts: Path) -> list[dict[str, Any]]:
-    outputs = measurement["outputs"]
-    engines = outputs["engines"]
-    candidates = list(engines)
-    first = engines[candidates[0]]
-    points = [gate_shape(first["gate_point"])]
-    if args.all_points:
-        points = [gate_shape(row) for row in first["points"] + first.get("decode", [])]
-    return [check_point(args, pipeline, target, measurement, artifacts, point) for point in points]
+def check_target(args: argparse.Namespace, pipeline: str, target: str, artifacts: Path) -> list[dict[str, Any]]:
+    """The stage's figures against the engines alone: the newest measurement and `--passes` alone passes, or with
+    `--runs`, that many measurements taken again, each followed at once by one alone pass (so the machine's drift
+    over the minutes of the check meets both sides alike)."""
+    measurements: list[dict[str, Any]] = []
+    points: list[dict[str, int]] = []
+    passes: list[list[dict[str, list[float]]]] = []
+    rngs: list[random.Random] = []
+    for index in range(args.runs or args.passes):
+        stores = measure_again(args, pipeline, artifacts, index) if args.runs else artifacts
+        measurement = newest_measurement(stores, pipeline, target)
+        if measurement is None:
+            print(f"{pipeline}/{target}: no measurement in {stores}: run `smelter run` first")
+            return []
+        if not points:
+            engine = next(iter(measurement["outputs"]["engines"].values()))
+            rows = engine["points"] + engine.get("decode", []) if args.all_points else [engine["gate_point"]]
+            points = [gate_shape(row) for row in rows]
+            passes, rngs = [[] for _ in points], [random.Random(0) for _ in points]
+        measurements.append(measurement)
+        for point, done, rng in zip(points, passes, rngs):
+            done.append(alone_pass(args, pipeline, measurement, stores, point, rng))
+    return [report(args, pipeline, target, point, measurements, done) for point, done in zip(points, passes)]
 
 
-def check_point(args: argparse.Namespace, pipeline: str, target: str, measurement: dict[str, Any],
-                artifacts: Path, point: dict[str, int]) -> dict[str, Any]:
-    outputs = measurement["outputs"]
-    builds = measurement["inputs"]["builds"]
+def measure_again(args: argparse.Namespace, pipeline: str, artifacts: Path, index: int) -> Path:
+    """One `smelter run` of the pipeline that measures again, in its own process as a user's run: with `--fresh`
+    on new empty stores (it exports, calibrates and builds in that process first), else on the given stores with
+    the pipeline's benchmark outputs deleted (every other stage cached). Returns the artifact store it wrote."""
+    env = dict(os.environ)
+    if args.fresh:
+        root = Path(tempfile.mkdtemp(prefix=f"engine-alone-{pipeline}-"))
+        env["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
+        artifacts = root / "artifacts"
+    else:
+        shutil.rmtree(artifacts / pipeline / "benchmark", ignore_errors=True)
+    began = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", "-q", "-f", args.file, "--pipeline", pipeline,
+                          "--artifacts", str(artifacts)], env=env, capture_output=True, text=True)
+    print(f"{pipeline}: run {index + 1} of {args.runs} ({'fresh stores' if args.fresh else 'benchmark again'}) "
+          f"exit {run.returncode} in {time.monotonic() - began:.0f} s", flush=True)
+    if run.returncode not in (0, 1):
+        raise RuntimeError(f"{pipeline}: `smelter run` failed:\n{run.stderr[-3000:]}")
+    return artifacts
+
+
+def alone_pass(args: argparse.Namespace, pipeline: str, measurement: dict[str, Any], artifacts: Path,
+               point: dict[str, int], rng: random.Random) -> dict[str, list[float]]:
+    """Every contender of `measurement` timed alone once, each in a fresh process, in an order drawn from `rng`."""
+    outputs, builds = measurement["outputs"], measurement["inputs"]["builds"]
     candidates = list(outputs["engines"])
-    recorded_rows = {name: rows_at(outputs["engines"][name], point) for name in candidates}
     engine_dirs = {name: str(artifacts / pipeline / "build" / builds[name]) for name in candidates}
-    contenders = [REFERENCE] + candidates
-    samples: dict[str, list[list[float]]] = {name: [] for name in contenders}
-    order = list(contenders)
-    rng = random.Random(0)
-    for _ in range(args.passes):
-        rng.shuffle(order)
-        for name in order:
-            job = {"file": args.file, "pipeline": pipeline, "contender": name, "point": point,
-                   "engine_dir": engine_dirs.get(name, engine_dirs[candidates[0]]), "threads": outputs["threads"],
-                   "warmup": args.warmup, "calls": args.calls, "min_seconds": args.min_seconds}
-            samples[name].append(alone(job))
-    figures: dict[str, Any] = {}
-    for name in contenders:
-        p50s = [float(np.percentile(s, 50)) for s in samples[name]]
-        p99s = [float(np.percentile(s, 99)) for s in samples[name]]
-        figures[name] = {"p50_ms": statistics.median(p50s), "p50_spread": [min(p50s), max(p50s)],
-                         "p99_ms": statistics.median(p99s), "p99_spread": [min(p99s), max(p99s)]}
-    for name in candidates:  # each pass's ratio of medians, the reference and the engine timed minutes apart
-        ratios = [statistics.median(r) / statistics.median(e) for r, e in zip(samples[REFERENCE], samples[name])]
-        figures[name] |= {"speedup": statistics.median(ratios), "speedup_spread": [min(ratios), max(ratios)]}
+    order = [REFERENCE] + candidates
+    rng.shuffle(order)
+    samples = {}
+    for name in order:
+        job = {"file": args.file, "pipeline": pipeline, "contender": name, "point": point,
+               "engine_dir": engine_dirs.get(name, engine_dirs[candidates[0]]), "threads": outputs["threads"],
+               "warmup": args.warmup, "calls": args.calls, "min_seconds": args.min_seconds}
+        samples[name] = alone(job)
+    return samples
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "spread": [min(values), max(values)], "each": values}
+
+
+def report(args: argparse.Namespace, pipeline: str, target: str, point: dict[str, int],
+           measurements: list[dict[str, Any]], passes: list[dict[str, list[float]]]) -> dict[str, Any]:
+    """Each contender's in-run figures (median over the measurements) against its alone ones (median over the
+    passes), each with its min-max spread; `paired` is the median over runs of in-run / the alone pass right after
+    it (the machine's drift over minutes cancels out when each run has its own pass). A measurement the stage found
+    contended decides nothing there, so with `--runs` it is left out here too, with its pass, and said."""
+    busy = [index for index, m in enumerate(measurements) if m["outputs"]["host"].get("contended")]
+    left_out = busy if args.runs and len(busy) < len(measurements) else []
+    if left_out:
+        for index in busy:
+            print(f"\n{pipeline}/{target}: run {index + 1} left out: the stage found it contended (other processes "
+                  f"used {measurements[index]['outputs']['host']['foreign_cpu_share']:.0%} of the CPU)")
+        measurements = [m for index, m in enumerate(measurements) if index not in busy]
+        passes = [p for index, p in enumerate(passes) if index not in busy]
+    candidates = list(measurements[0]["outputs"]["engines"])
+    recorded: dict[str, dict[str, list[float]]] = {name: {"p50_ms": [], "p99_ms": [], "speedup": []}
+                                                    for name in [REFERENCE, *candidates]}
+    for measurement in measurements:
+        rows = {name: rows_at(measurement["outputs"]["engines"][name], point) for name in candidates}
+        reference = rows[candidates[0]]
+        recorded[REFERENCE]["p50_ms"].append(reference["reference_p50_ms"])
+        recorded[REFERENCE]["p99_ms"].append(reference["reference_p99_ms"])
+        for name in candidates:
+            for key in ("p50_ms", "p99_ms"):
+                recorded[name][key].append(rows[name][key])
+            recorded[name]["speedup"].append(rows[name]["speedup_vs_reference"])
+    measured: dict[str, dict[str, list[float]]] = {name: {"p50_ms": [], "p99_ms": [], "speedup": []}
+                                                    for name in recorded}
+    for samples in passes:
+        for name in recorded:
+            measured[name]["p50_ms"].append(float(np.percentile(samples[name], 50)))
+            measured[name]["p99_ms"].append(float(np.percentile(samples[name], 99)))
+        for name in candidates:  # the reference and the engine timed in the same pass, seconds apart
+            measured[name]["speedup"].append(statistics.median(samples[REFERENCE]) / statistics.median(samples[name]))
+    shares = [m["outputs"]["host"].get("foreign_cpu_share") for m in measurements]
+    champion = measurements[0]["outputs"].get("champion") or {}
+    extra = " and the champion" if champion.get("label") and champion["label"] not in candidates else ""
+    print(f"\n{pipeline}/{target} at {point}, {len(candidates)} candidate(s){extra}; {len(measurements)} in-run "
+          f"measurement(s), {len(passes)} alone pass(es) of at least {args.calls} calls over {args.min_seconds:g} s; "
+          f"other processes' CPU share while measured: {shares}")
+    print(f"{'contender':<22} {'figure':<8} {'in-run [spread]':>26} {'alone [spread]':>26} {'in/alone':>12} "
+          f"{'paired':>8}")
     rows = []
-    reference_row = recorded_rows[candidates[0]]
-    print(f"\n{pipeline}/{target} at {point}, {len(candidates)} candidate(s), {args.passes} passes of at least "
-          f"{args.calls} calls over {args.min_seconds:g} s; measurement {measurement['_dir']} (other processes used "
-          f"{outputs['host'].get('foreign_cpu_share')} of the CPU while it was taken)")
-    print(f"{'contender':<24} {'in-run p50':>10} {'alone p50 [spread]':>26} {'':>10} {'in-run p99':>10} "
-          f"{'alone p99 [spread]':>26} {'':>10} {'in-run x':>8} {'alone x [spread]':>22}")
-    for name in contenders:
-        mine = figures[name]
-        recorded = ({"p50_ms": reference_row["reference_p50_ms"], "p99_ms": reference_row["reference_p99_ms"]}
-                    if name == REFERENCE else recorded_rows[name])
-        row = {"contender": name, "in_run_p50_ms": recorded["p50_ms"], "in_run_p99_ms": recorded["p99_ms"]} | mine
-        line = (f"{name:<24} {recorded['p50_ms']:>10.2f} {mine['p50_ms']:>9.2f} [{mine['p50_spread'][0]:.2f}, "
-                f"{mine['p50_spread'][1]:.2f}] {within(recorded['p50_ms'], mine['p50_ms'], TOLERANCE['p50_ms']):>10} "
-                f"{recorded['p99_ms']:>10.2f} {mine['p99_ms']:>9.2f} [{mine['p99_spread'][0]:.2f}, "
-                f"{mine['p99_spread'][1]:.2f}] {within(recorded['p99_ms'], mine['p99_ms'], TOLERANCE['p99_ms']):>10}")
-        if name != REFERENCE:
-            row["in_run_speedup"] = recorded["speedup_vs_reference"]
-            line += (f" {recorded['speedup_vs_reference']:>8.3f} {mine['speedup']:>7.3f} "
-                     f"[{mine['speedup_spread'][0]:.3f}, {mine['speedup_spread'][1]:.3f}] "
-                     f"{within(recorded['speedup_vs_reference'], mine['speedup'], TOLERANCE['speedup'])}")
-        print(line)
+    for name in recorded:
+        row: dict[str, Any] = {"contender": name}
+        for key in ("p50_ms", "p99_ms", "speedup"):
+            if name == REFERENCE and key == "speedup":
+                continue
+            mine, alone_ = _spread(recorded[name][key]), _spread(measured[name][key])
+            pairs = [a / b for a, b in zip(recorded[name][key], measured[name][key])]
+            off = mine["median"] / alone_["median"] - 1
+            paired = statistics.median(pairs) - 1
+            verdict = "ok" if abs(off) <= TOLERANCE[key] else "OFF"
+            row[key] = {"in_run": mine, "alone": alone_, "off": off, "paired_off": paired, "within": verdict == "ok"}
+            print(f"{name:<22} {key:<8} {mine['median']:>9.3f} [{mine['spread'][0]:.3f}, {mine['spread'][1]:.3f}]"
+                  f" {alone_['median']:>9.3f} [{alone_['spread'][0]:.3f}, {alone_['spread'][1]:.3f}] "
+                  f"{off:>+7.1%} {verdict:<3} {paired:>+7.1%}")
         rows.append(row)
-    return {"pipeline": pipeline, "target": target, "point": point, "measurement": measurement["_dir"],
-            "host": outputs["host"], "threads": outputs["threads"], "passes": args.passes, "calls": args.calls,
-            "min_seconds": args.min_seconds,
-            "rows": rows}
+    return {"pipeline": pipeline, "target": target, "point": point,
+            "measurements": [m["_dir"] for m in measurements], "hosts": [m["outputs"]["host"] for m in measurements],
+            "threads": measurements[0]["outputs"]["threads"], "champion_timed": bool(extra), "runs": args.runs,
+            "left_out_contended": [index + 1 for index in left_out], "fresh": args.fresh,
+            "passes": len(passes), "calls": args.calls, "min_seconds": args.min_seconds, "rows": rows}
 
 
 def main() -> int:
@@ -200,6 +273,11 @@ def main() -> int:
                         help="time calls for at least this long (a p99 of 60 ms of calls meets none of the "
                              "machine's periodic work that the run's seconds of rounds meet)")
     parser.add_argument("--all-points", action="store_true", help="every point the stage measured, not only the gate point")
+    parser.add_argument("--runs", type=int, default=0,
+                        help="measure again this many times with `smelter run` (the pipeline's benchmark outputs "
+                             "deleted first), each run followed at once by one alone pass; instead of --passes")
+    parser.add_argument("--fresh", action="store_true",
+                        help="with --runs: each run on new empty stores, so it exports and builds first")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -220,11 +298,7 @@ def main() -> int:
                 print(f"{name}/{target.name}: {target.backend} engines are checked on their own device "
                       "(benchmarks/gpu_pipeline.py), skipped here")
                 continue
-            measurement = newest_measurement(artifacts, name, target.name)
-            if measurement is None:
-                print(f"{name}/{target.name}: no measurement in {artifacts}: run `smelter run` first")
-                continue
-            results += check_target(args, name, target.name, measurement, artifacts)
+            results += check_target(args, name, target.name, artifacts)
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": isa, "results": results}, indent=2) + "\n")
     return 0
