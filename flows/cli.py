@@ -7,6 +7,7 @@ unusable store or server; 130 / 143 stopped by Ctrl-C / SIGTERM (also when the s
 
 from __future__ import annotations
 
+import flows.early_stop  # noqa: F401 - first: a stop while the rest loads ends as a stop, not a traceback
 import argparse
 import contextlib
 import errno

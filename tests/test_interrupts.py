@@ -1,4 +1,5 @@
-"""A Ctrl-C (or SIGTERM) that a finalizer swallows still stops `smelter run`, and runs never share a log.
+"""A Ctrl-C (or SIGTERM) that a finalizer swallows still stops `smelter run`, one that lands while the command
+still loads ends it as a stop, and runs never share a log.
 
 Python ignores an exception raised inside `__del__` (it prints `Exception ignored in: ...`): a Ctrl-C that
 lands while asyncio's transport finalizer runs was lost that way and the run carried on to promote. Here a
@@ -66,6 +67,34 @@ def test_a_signal_swallowed_by_a_finalizer_still_stops_the_run_before_promotion(
     assert "candidate" not in stopped.stdout, "the run printed its table after the signal"
     assert champion_version(store) is None, "the run promoted after it was told to stop"
     assert "RUNNING" not in run_statuses(store).values()
+
+
+# `python -m flows.cli validate`, as a shell starts the command, whose stop signal arrives while flows/cli.py still
+# imports its own modules: where a Ctrl-C pressed right after Enter lands on a slow CPU (an emulated AVX2 CPU
+# spent over a second there)
+LOADING_LAUNCHER = """
+import builtins, os, runpy, signal, sys
+load = builtins.__import__
+
+def signalled(name, globals=None, *args, **kwargs):
+    if name == "tasks.runtime" and (globals or {}).get("__name__") == "__main__":
+        os.kill(os.getpid(), signal.Signals["SIG" + os.environ["STOP_SIGNAL"]])
+    return load(name, globals, *args, **kwargs)
+
+builtins.__import__ = signalled
+sys.argv = [sys.argv[0], "validate"]
+runpy.run_module("flows.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize(("name", "code", "said"), [("INT", 130, "interrupted (Ctrl-C)"),
+                                                     ("TERM", 143, "terminated (SIGTERM)")])
+def test_a_stop_while_the_command_loads_ends_it_with_one_line_and_its_code(name: str, code: int, said: str,
+                                                                          tmp_path: Path) -> None:
+    stopped = subprocess.run([sys.executable, "-c", LOADING_LAUNCHER], env=os.environ | {"STOP_SIGNAL": name},
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert stopped.returncode == code, f"exit {stopped.returncode}:\n{stopped.stderr[-3000:]}"
+    assert stopped.stderr == f"smelter: {said}\n", stopped.stderr[-3000:]
 
 
 def test_runs_started_in_the_same_second_each_get_a_log_of_their_own(tmp_path: Path) -> None:
