@@ -230,10 +230,11 @@ def report(args: argparse.Namespace, pipeline: str, target: str, point: dict[str
             measured[name]["p99_ms"].append(float(np.percentile(samples[name], 99)))
         for name in candidates:  # the reference and the engine timed in the same pass, seconds apart
             measured[name]["speedup"].append(statistics.median(samples[REFERENCE]) / statistics.median(samples[name]))
-    shares = [m["outputs"]["host"].get("foreign_cpu_share") for m in measurements]
+    distinct = list({m["_dir"]: m for m in measurements}.values())  # without --runs, one measurement each pass
+    shares = [m["outputs"]["host"].get("foreign_cpu_share") for m in distinct]
     champion = measurements[0]["outputs"].get("champion") or {}
     extra = " and the champion" if champion.get("label") and champion["label"] not in candidates else ""
-    print(f"\n{pipeline}/{target} at {point}, {len(candidates)} candidate(s){extra}; {len(measurements)} in-run "
+    print(f"\n{pipeline}/{target} at {point}, {len(candidates)} candidate(s){extra}; {len(distinct)} in-run "
           f"measurement(s), {len(passes)} alone pass(es) of at least {args.calls} calls over {args.min_seconds:g} s; "
           f"other processes' CPU share while measured: {shares}")
     print(f"{'contender':<22} {'figure':<8} {'in-run [spread]':>26} {'alone [spread]':>26} {'in/alone':>12} "
@@ -255,7 +256,7 @@ def report(args: argparse.Namespace, pipeline: str, target: str, point: dict[str
                   f"{off:>+7.1%} {verdict:<3} {paired:>+7.1%}")
         rows.append(row)
     return {"pipeline": pipeline, "target": target, "point": point,
-            "measurements": [m["_dir"] for m in measurements], "hosts": [m["outputs"]["host"] for m in measurements],
+            "measurements": [m["_dir"] for m in distinct], "hosts": [m["outputs"]["host"] for m in distinct],
             "threads": measurements[0]["outputs"]["threads"], "champion_timed": bool(extra), "runs": args.runs,
             "left_out_contended": [index + 1 for index in left_out], "fresh": args.fresh,
             "passes": len(passes), "calls": args.calls, "min_seconds": args.min_seconds, "rows": rows}
