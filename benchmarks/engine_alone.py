@@ -139,7 +139,9 @@ def check_target(args: argparse.Namespace, pipeline: str, target: str, artifacts
     rngs: list[random.Random] = []
     for index in range(args.runs or args.passes):
         stores = measure_again(args, pipeline, artifacts, index) if args.runs else artifacts
-        measurement = newest_measurement(stores, pipeline, target)
+        # without --runs every pass is checked against the one measurement read first
+        measurement = newest_measurement(stores, pipeline, target) if args.runs or not measurements \
+            else measurements[0]
         if measurement is None:
             print(f"{pipeline}/{target}: no measurement in {stores}: run `smelter run` first")
             return []
@@ -205,7 +207,7 @@ def report(args: argparse.Namespace, pipeline: str, target: str, point: dict[str
     busy = [index for index, m in enumerate(measurements) if m["outputs"]["host"].get("contended")]
     left_out = busy if args.runs and len(busy) < len(measurements) else []
     if left_out:
-        for index in busy:
+        for index in left_out:
             print(f"\n{pipeline}/{target}: run {index + 1} left out: the stage found it contended (other processes "
                   f"used {measurements[index]['outputs']['host']['foreign_cpu_share']:.0%} of the CPU)")
         measurements = [m for index, m in enumerate(measurements) if index not in busy]

@@ -7,7 +7,7 @@ unusable store or server; 130 / 143 stopped by Ctrl-C / SIGTERM (also when the s
 
 from __future__ import annotations
 
-import flows.early_stop  # noqa: F401 - first: a stop while the rest loads ends as a stop, not a traceback
+from flows.early_stop import STOPPED  # first: a stop while the rest loads ends as a stop, not a traceback
 import argparse
 import contextlib
 import errno
@@ -781,7 +781,7 @@ def _quiet_prefect_log_worker() -> None:
     logging.raiseExceptions = False
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = tuple(STOPPED)
 _unraisable_hooks: list[Any] = []  # the hook `_record_swallowed_stop` replaced, which it hands each exception on to
 _delivered: list[int] = []  # the stop signals this command's handler received
 
@@ -839,8 +839,8 @@ def _stop_code(command: str | None, caught: BaseException | None = None) -> int 
     if signum is None and caught is None:
         return None
     if signum == signal.SIGTERM or (signum is None and isinstance(caught, stop_signals.Terminated)):
-        return _stopped("terminated (SIGTERM)", EXIT_TERMINATED, command)
-    return _stopped("interrupted (Ctrl-C)", EXIT_INTERRUPTED, command)
+        return _stopped(STOPPED[signal.SIGTERM], EXIT_TERMINATED, command)
+    return _stopped(STOPPED[signal.SIGINT], EXIT_INTERRUPTED, command)
 
 
 def _stopped(how: str, code: int, command: str | None) -> int:

@@ -13,9 +13,12 @@ import signal
 import sys
 
 
+# How a stop is said, by its signal: here and, once main() has taken the signals over, by flows/cli.py
+STOPPED = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "terminated (SIGTERM)"}
+
+
 def _stopped_while_loading(signum: int, frame: object) -> None:
-    how = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted (Ctrl-C)"
-    os.write(2, f"smelter: {how}\n".encode())
+    os.write(2, f"smelter: {STOPPED[signum]}\n".encode())
     os._exit(128 + signum)
 
 
@@ -25,6 +28,6 @@ def _is_the_command() -> bool:
 
 
 if _is_the_command():
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOPPED:
         if signal.getsignal(signum) is not signal.SIG_IGN:  # a background job's ignored SIGINT stays ignored
             signal.signal(signum, _stopped_while_loading)
