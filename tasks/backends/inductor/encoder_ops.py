@@ -14,7 +14,11 @@ in fp32 (exp2 of pre-scaled scores), and writes [batch, seq, hidden], the o prod
 transpose between; for an fp8 engine's static o product, already scaled and rounded to e4m3 (half
 the bytes, and no quantising pass between). Elsewhere (CPU, no Triton, head sizes that are not powers
 of two from 16 to 128) the op computes the same function through SDPA, so an exported encoder graph
-runs anywhere.
+runs anywhere. Each program reads its row's bias once first: keys after the last one above the floor
+(trailing padding: their exp2 is exactly 0 beside any real key) are skipped, and the key blocks before
+the first key with a bias other than 0 run without it (on an H100, BERT-base's 8 × 512 went from 25.8
+to 23.2 µs a layer unpadded, to 19.7 µs at 58% real tokens; MiniLM's 256 × 128 stayed at 55.8 µs
+unpadded, 51.0 µs at 54% real tokens).
 
 `cublas_linear`: F.linear that Inductor cannot see into, so max-autotune never swaps it for one of its
 Triton templates. Autotuning times each candidate alone; in the whole forward the templates it picked
@@ -47,9 +51,12 @@ if triton is not None:
     @triton.jit
     def _encoder_attention_kernel(qkv_ptr, bias_ptr, o_ptr, scale_ptr, S, stride_qb, stride_qs, stride_bb, stride_ob,
                                   stride_os, qk_scale, H: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                  FP8_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Program (block of queries, batch × heads): online softmax over every key of its sequence; with
-        FP8_OUT, the output times *scale_ptr, rounded to e4m3."""
+                                  FP8_OUT: tl.constexpr, S_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr):
+        """Program (block of queries, batch × heads): online softmax over the keys of its sequence up to the
+        last one whose bias is above the floor (those after it would add exactly 0; all of them where every
+        key is at the floor), the leading blocks whose bias is all 0 without it; with FP8_OUT, the output times
+        *scale_ptr, rounded to e4m3."""
         block = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -61,25 +68,52 @@ if triton is not None:
         q = tl.load(base + rm[:, None] * stride_qs + rd[None, :], mask=m_ok[:, None], other=0.0)
         k_base = base + H * D
         v_base = base + 2 * H * D
+        # Keys [0, plain_end) have a bias of exactly 0 (whole blocks, all inside the sequence): they skip the bias
+        # and the bounds; keys past n_end are the row's trailing padding, whose exp2 underflows to exactly 0
+        # beside any real key: skipped (all keys run where every one is at the floor)
+        if HAS_BIAS:
+            rs = tl.arange(0, S_POW2)
+            row_bias = tl.load(bias_ptr + b * stride_bb + rs, mask=rs < S, other=-3.0e38).to(tl.float32)
+            last = tl.max(tl.where(row_bias > -1e30, rs + 1, 0), axis=0)
+            n_end = tl.where(last == 0, S, last)
+            first = tl.min(tl.where((row_bias != 0.0) & (rs < S), rs, S), axis=0)
+            plain_end = (tl.minimum(first, n_end) // BLOCK_N) * BLOCK_N
+        else:
+            n_end = S
+            plain_end = (S // BLOCK_N) * BLOCK_N
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-        for n0 in range(0, S, BLOCK_N):
-            rn = n0 + tl.arange(0, BLOCK_N)
-            n_ok = rn < S
-            k = tl.load(k_base + rn[:, None] * stride_qs + rd[None, :], mask=n_ok[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * qk_scale
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + b * stride_bb + rn, mask=n_ok, other=0.0).to(tl.float32)
-                scores += tl.maximum(bias, -1e30)[None, :] * 1.4426950408889634
-            scores = tl.where(n_ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            p = tl.math.exp2(scores - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + rn[:, None] * stride_qs + rd[None, :], mask=n_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        for phase in tl.static_range(2):
+            if phase == 0:
+                lo = 0
+                hi = plain_end
+            else:
+                lo = plain_end
+                hi = n_end
+            for n0 in range(lo, hi, BLOCK_N):
+                rn = n0 + tl.arange(0, BLOCK_N)
+                n_ok = rn < S
+                if phase == 0:
+                    k = tl.load(k_base + rn[:, None] * stride_qs + rd[None, :])
+                else:
+                    k = tl.load(k_base + rn[:, None] * stride_qs + rd[None, :], mask=n_ok[:, None], other=0.0)
+                scores = tl.dot(q, tl.trans(k)) * qk_scale
+                if phase == 1:
+                    if HAS_BIAS:
+                        bias = tl.load(bias_ptr + b * stride_bb + rn, mask=n_ok, other=0.0).to(tl.float32)
+                        scores += tl.maximum(bias, -1e30)[None, :] * 1.4426950408889634
+                    scores = tl.where(n_ok[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                p = tl.math.exp2(scores - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if phase == 0:
+                    v = tl.load(v_base + rn[:, None] * stride_qs + rd[None, :])
+                else:
+                    v = tl.load(v_base + rn[:, None] * stride_qs + rd[None, :], mask=n_ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
         out = acc / l_i[:, None]
         if FP8_OUT:
             out = tl.clamp(out * tl.load(scale_ptr), -448.0, 448.0)
@@ -127,7 +161,8 @@ def attention(qkv: torch.Tensor, key_bias: torch.Tensor | None, heads: int,
     _encoder_attention_kernel[(triton.cdiv(seq, block_m), batch * heads)](
         qkv, bias, out, out_scale if out_scale is not None else qkv, seq, qkv.stride(0), qkv.stride(1),
         bias.stride(0), out.stride(0), out.stride(1), head_dim ** -0.5 * 1.4426950408889634, H=heads, D=head_dim,
-        HAS_BIAS=key_bias is not None, FP8_OUT=out_scale is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_BIAS=key_bias is not None, FP8_OUT=out_scale is not None, S_POW2=triton.next_power_of_2(seq),
+        BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages)
     return out
 
