@@ -312,25 +312,6 @@ def attention(shape: dict[str, int], configs: list[tuple[int, ...]], base: Any =
     return out
 
 
-def apply_best(path: str, min_gain: float = 1.03, min_gain_o: float = 1.35) -> dict[str, Any]:
-    """Put each product shape whose best block shape in `path` (this script's --out) beat cuBLAS by `min_gain`
-    into encoder_ops.LINEAR_CONFIGS (the o product by `min_gain_o`: the engine runs it through an Inductor
-    template about a third faster than cuBLAS), for an engine built in this process."""
-    from tasks.backends.inductor import encoder_ops
-
-    data = json.loads(Path(path).read_text())
-    chosen = {}
-    for shape in SHAPES:
-        for name, row in data.get(shape, {}).get("products", {}).items():
-            if not isinstance(row, dict) or not row.get("best"):
-                continue
-            if row["best_vs_cublas"] >= (min_gain_o if name == "o" else min_gain):
-                _, k, n = row["shape"]
-                encoder_ops.LINEAR_CONFIGS[(k, n, name == "up")] = tuple(int(v) for v in row["best"].split("x"))
-                chosen[f"{shape}.{name}"] = row["best"]
-    return chosen
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
