@@ -72,6 +72,7 @@ with get_client(sync_client=True) as client:
 """
 
 
+@pytest.mark.waits
 def test_a_call_rides_out_ten_seconds_of_a_busy_prefect_server(busy_server: BusyThenReady) -> None:
     env = {k: v for k, v in project_env(PREFECT_API_URL=busy_server.api_url).items()
            if k != "PREFECT_CLIENT_MAX_RETRIES"}  # smelter's default, not a user's setting

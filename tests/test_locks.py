@@ -274,6 +274,7 @@ with locks.held_slot(sys.argv[1], "build of key k"):
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_a_holder_cut_off_from_a_lasting_server_for_a_lease_stops_before_writing(api: str, tmp_path: Path) -> None:
     """A build holds a key's slot; the network between it and the lasting Prefect server goes for longer than a
     lease. The server expires the lease and gives the slot to a waiter, which builds the key. The first holder,
@@ -328,6 +329,7 @@ def test_a_waiter_says_who_holds_the_slot_and_gets_it_when_the_holder_ends(
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_a_slot_held_on_another_host_is_freed_by_the_servers_lease_expiry(api: str, tmp_path: Path,
                                                                           notices: list[str]) -> None:
     """A holder on another host cannot be checked from here: its slot frees when the lasting server's lease

@@ -24,7 +24,7 @@ from tests.fixtures.cli_runs import (REPO, CliSetup, _prefect_server, champion_v
                                      copy_artifacts, empty_store)
 from tests.fixtures.servers import _mlflow_cli, _stop, _wait_healthy, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]  # each waits out a lost server's retries
 __all__ = ["cli_setup_own_server"]
 
 ENDS_WITHIN_S = 240  # a safety net only: unbounded retries took ~10 minutes
