@@ -353,8 +353,9 @@ def test_the_encoder_graph_runs_its_products_in_fp8_but_those_kept(bert: torch.n
 def test_encoder_fp8_calibration_reads_real_tokens_and_sensitivity_finds_the_loud_product(
         bert: torch.nn.Module) -> None:
     """Static scales of an encoder come from its real tokens only, and each product's error alone in e4m3,
-    as the last hidden state sees it, is largest where the product dominates the residual stream; the
-    errors of all products add up to the all-e4m3 graph's."""
+    as the last hidden state sees it, is largest in the MLP that dominates the residual stream (its down
+    product and the up product it amplifies, far above the rest); the errors of all products add up to the
+    all-e4m3 graph's."""
     from tasks.backends.inductor.encoder_graphs import calibrate_input_amax as encoder_amax
     from tasks.backends.inductor.encoder_graphs import fp8_sensitivity as encoder_sensitivity
 
@@ -363,17 +364,21 @@ def test_encoder_fp8_calibration_reads_real_tokens_and_sensitivity_finds_the_lou
         model.embeddings.word_embeddings.weight[255] = 0  # the padding token: one spike, which survives the norm
         model.embeddings.word_embeddings.weight[255, 0] = 30
         model.encoder.layer[1].output.dense.weight.mul_(30)
-    ids = torch.randint(0, 255, (2, 12))
+    tokens = torch.Generator().manual_seed(0)  # the same feeds whatever ran before in this process
+    ids = torch.randint(0, 255, (2, 12), generator=tokens)
     ids[1, 5:] = 255
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0
     padded = encoder_amax(model, [(ids, mask)])
     assert padded == pytest.approx(encoder_amax(model, [(ids[:1], mask[:1]), (ids[1:, :5], mask[1:, :5])]), rel=1e-5)
     assert encoder_amax(model, [(ids, torch.ones_like(ids))])["layers.0.qkv"] > 1.5 * padded["layers.0.qkv"]
-    batches = [(ids, mask), (torch.randint(0, 255, (4, 12)), torch.ones(4, 12, dtype=torch.long))]
+    batches = [(ids, mask), (torch.randint(0, 255, (4, 12), generator=tokens), torch.ones(4, 12, dtype=torch.long))]
     errors = encoder_sensitivity(model, batches)
     assert list(errors) == list(padded) and all(e > 0 for e in errors.values())
-    assert max(errors, key=errors.get) == "layers.1.down"
+    # which of the two leads depends on the tokens (up did for 14 of 60 seeds); the rest is 500x quieter
+    second, third = sorted(errors.values(), reverse=True)[1:3]
+    assert {k for k, e in errors.items() if e >= second} == {"layers.1.up", "layers.1.down"}
+    assert second > 100 * third
     exact, rounded = EncoderPrefill(model).eval(), EncoderPrefill(model, fp8=True).eval()
     with torch.no_grad():
         squared = [(rounded(i, m) - exact(i, m))[m.bool()].pow(2) for i, m in batches]
