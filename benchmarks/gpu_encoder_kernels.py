@@ -8,12 +8,14 @@ For deciding, in one device call, which of smelter's own kernels could replace w
   (3-D blocks: each row's G × head_dim values are contiguous in the qkv product's output) and against
   the same kernels skipping key blocks that lie wholly in a row's trailing padding;
 - residual add + layer norm: Inductor's fused kernel (reads the product's output and the residual),
-  against a norm that reads one tensor (the residual already added in the product's epilogue).
+  against a norm that reads one tensor (the residual already added in the product's epilogue);
+- mlp (hidden 3 × 2^k only: MiniLM's shape): the up product with GELU, the down product and the output
+  norm as the engine runs them, against a fused MLP of smelter's own (fused_mlp, not kept), each block shape.
 
 Every time is the median of one call among 20 replayed from a CUDA graph (no launch gaps), as
 benchmarks/gpu_encoder_variants.py times smelter's attention alone.
 
-Usage: python -m benchmarks.gpu_encoder_kernels --out kernels.json [--parts products,norms,attention]
+Usage: python -m benchmarks.gpu_encoder_kernels --out kernels.json [--parts products,norms,attention,mlp,mlp2]
        [--base-ops old_encoder_ops.py] [--groups]
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +260,255 @@ def norms(shape: dict[str, int]) -> dict[str, Any]:
     return out
 
 
+# The fused MLP measured and not kept (docs/gpu-engines.md, "Encoders"): one program per BLOCK_M rows
+@triton.jit
+def _gelu_tanh(h, APPROX: tl.constexpr):
+    """GELU's tanh form, x * sigmoid(2u) with u = sqrt(2/pi) (x + 0.044715 x^3), as cuBLASLt's epilogue computes
+    it: with APPROX, one tanh.approx.f32 (the interpreter has no inline assembly)."""
+    inner = h * (0.7978845608028654 + 0.035677408136300125 * h * h)
+    if APPROX:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [inner], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        return 0.5 * h * (1.0 + t)
+    return h / (1.0 + tl.math.exp2(inner * -2.8853900817779268))
+
+
+@triton.jit
+def _encoder_mlp_kernel(x_ptr, wu_ptr, bu_ptr, wd_ptr, bd_ptr, nw_ptr, nb_ptr, out_ptr, M, stride_x, stride_o,
+                        eps, I: tl.constexpr, CW: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr,
+                        NORM: tl.constexpr, TMA: tl.constexpr, APPROX: tl.constexpr, WS: tl.constexpr = False):
+    """Program (block of BM rows): out = LayerNorm(GELU(x Wu^T + bu) Wd^T + bd + x) for a hidden of 3 × CW, the
+    intermediate BI columns at a time (GELU's output rounded to bf16, as the up product's output is) and added
+    into three fp32 accumulators of BM × CW: it never reaches memory. Without NORM, the sum before the norm.
+    With TMA, x_ptr, wu_ptr and wd_ptr are tensor descriptors of blocks [BM, CW], [BI, CW] and [CW, BI]."""
+    pid = tl.program_id(0)
+    rm = pid * BM + tl.arange(0, BM)
+    rc = tl.arange(0, CW)
+    m_ok = rm < M
+    if TMA:
+        x0 = x_ptr.load([pid * BM, 0])
+        x1 = x_ptr.load([pid * BM, CW])
+        x2 = x_ptr.load([pid * BM, 2 * CW])
+    else:
+        xp = x_ptr + rm[:, None] * stride_x + rc[None, :]
+        x0 = tl.load(xp, mask=m_ok[:, None], other=0.0)
+        x1 = tl.load(xp + CW, mask=m_ok[:, None], other=0.0)
+        x2 = tl.load(xp + 2 * CW, mask=m_ok[:, None], other=0.0)
+    acc0 = tl.zeros((BM, CW), dtype=tl.float32)
+    acc1 = tl.zeros((BM, CW), dtype=tl.float32)
+    acc2 = tl.zeros((BM, CW), dtype=tl.float32)
+    for j in tl.range(0, I, BI, warp_specialize=WS):
+        ri = j + tl.arange(0, BI)
+        if TMA:
+            h = tl.dot(x0, wu_ptr.load([j, 0]).T)
+            h = tl.dot(x1, wu_ptr.load([j, CW]).T, h)
+            h = tl.dot(x2, wu_ptr.load([j, 2 * CW]).T, h)
+        else:
+            wup = wu_ptr + ri[None, :] * (3 * CW) + rc[:, None]  # [CW, BI]: Wu[i, c]
+            h = tl.dot(x0, tl.load(wup))
+            h = tl.dot(x1, tl.load(wup + CW), h)
+            h = tl.dot(x2, tl.load(wup + 2 * CW), h)
+        h = _gelu_tanh(h + tl.load(bu_ptr + ri).to(tl.float32)[None, :], APPROX).to(x0.dtype)
+        if TMA:
+            acc0 = tl.dot(h, wd_ptr.load([0, j]).T, acc0)
+            acc1 = tl.dot(h, wd_ptr.load([CW, j]).T, acc1)
+            acc2 = tl.dot(h, wd_ptr.load([2 * CW, j]).T, acc2)
+        else:
+            wdp = wd_ptr + rc[None, :] * I + ri[:, None]  # [BI, CW]: Wd[c, i]
+            acc0 = tl.dot(h, tl.load(wdp), acc0)
+            acc1 = tl.dot(h, tl.load(wdp + CW * I), acc1)
+            acc2 = tl.dot(h, tl.load(wdp + 2 * CW * I), acc2)
+    # the residual is the MLP's input: read again here (from L2) rather than held in registers through the loop
+    y0 = acc0 + tl.load(bd_ptr + rc).to(tl.float32)[None, :]
+    y1 = acc1 + tl.load(bd_ptr + CW + rc).to(tl.float32)[None, :]
+    y2 = acc2 + tl.load(bd_ptr + 2 * CW + rc).to(tl.float32)[None, :]
+    if TMA:
+        y0 += x_ptr.load([pid * BM, 0]).to(tl.float32)
+        y1 += x_ptr.load([pid * BM, CW]).to(tl.float32)
+        y2 += x_ptr.load([pid * BM, 2 * CW]).to(tl.float32)
+    else:
+        xp = x_ptr + rm[:, None] * stride_x + rc[None, :]
+        y0 += tl.load(xp, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        y1 += tl.load(xp + CW, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        y2 += tl.load(xp + 2 * CW, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    if NORM:
+        mean = (tl.sum(y0, axis=1) + tl.sum(y1, axis=1) + tl.sum(y2, axis=1)) / (3 * CW)
+        y0 -= mean[:, None]
+        y1 -= mean[:, None]
+        y2 -= mean[:, None]
+        var = (tl.sum(y0 * y0, axis=1) + tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / (3 * CW)
+        rstd = (1.0 / tl.sqrt(var + eps))[:, None]
+        y0 = y0 * rstd * tl.load(nw_ptr + rc).to(tl.float32)[None, :] + tl.load(nb_ptr + rc).to(tl.float32)[None, :]
+        y1 = (y1 * rstd * tl.load(nw_ptr + CW + rc).to(tl.float32)[None, :]
+              + tl.load(nb_ptr + CW + rc).to(tl.float32)[None, :])
+        y2 = (y2 * rstd * tl.load(nw_ptr + 2 * CW + rc).to(tl.float32)[None, :]
+              + tl.load(nb_ptr + 2 * CW + rc).to(tl.float32)[None, :])
+    op = out_ptr + rm[:, None] * stride_o + rc[None, :]
+    tl.store(op, y0.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+    tl.store(op + CW, y1.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+    tl.store(op + 2 * CW, y2.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+def mlp_reference(x: torch.Tensor, up_w: torch.Tensor, up_b: torch.Tensor, down_w: torch.Tensor, down_b: torch.Tensor,
+                  norm_w: torch.Tensor | None, norm_b: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """What fused_mlp computes, through torch: LayerNorm(GELU_tanh(x Wu^T + bu) Wd^T + bd + x) (no norm without
+    its weight)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.is_cuda:
+        up = torch._addmm_activation(up_b, rows, up_w.t(), use_gelu=True)
+    else:
+        up = F.gelu(F.linear(rows, up_w, up_b), approximate="tanh")
+    y = (F.linear(up, down_w, down_b) + rows).view(x.shape)
+    return y if norm_w is None else F.layer_norm(y, y.shape[-1:], norm_w, norm_b, eps)
+
+
+def fused_mlp(x: torch.Tensor, up_w: torch.Tensor, up_b: torch.Tensor, down_w: torch.Tensor, down_b: torch.Tensor,
+              norm_w: torch.Tensor | None, norm_b: torch.Tensor | None, eps: float,
+              settings: tuple[int, ...]) -> torch.Tensor:
+    """The fused kernel (CUDA) over x [..., 3 × CW] -> the same shape; settings: MLP_CONFIGS's."""
+    block_m, block_i, warps, stages, tma, *ws = settings
+    hidden, inner = x.shape[-1], up_w.shape[0]
+    rows = x.reshape(-1, hidden)
+    out = torch.empty_like(rows)
+    cw = hidden // 3
+    m = rows.shape[0]
+    if tma:
+        xs = TensorDescriptor.from_tensor(rows, [block_m, cw])
+        wu = TensorDescriptor.from_tensor(up_w, [block_i, cw])
+        wd = TensorDescriptor.from_tensor(down_w, [cw, block_i])
+    else:
+        xs, wu, wd = rows, up_w, down_w
+    norm = norm_w is not None
+    _encoder_mlp_kernel[(triton.cdiv(m, block_m),)](
+        xs, wu, up_b, wd, down_b, norm_w if norm else down_b, norm_b if norm else down_b, out, m, rows.stride(0),
+        out.stride(0), eps, I=inner, CW=cw, BM=block_m, BI=block_i, NORM=norm, TMA=bool(tma),
+        APPROX=os.environ.get("TRITON_INTERPRET") != "1", WS=bool(ws and ws[0]), num_warps=warps, num_stages=stages)
+    return out.view(x.shape)
+
+
+MLP_CONFIGS = [  # BLOCK_M, BLOCK_I, warps, stages, TMA (fused_mlp's settings)
+    (64, 64, 8, 2, 0), (64, 64, 8, 1, 0), (64, 32, 8, 3, 0), (64, 32, 8, 2, 0), (64, 128, 8, 1, 0), (64, 64, 4, 2, 0),
+    (64, 32, 4, 3, 0), (64, 64, 8, 2, 1), (64, 64, 8, 1, 1), (64, 32, 8, 3, 1), (64, 32, 8, 2, 1), (64, 128, 8, 1, 1),
+    (64, 64, 4, 2, 1), (128, 32, 8, 2, 1), (128, 64, 8, 1, 1), (32, 64, 4, 2, 0), (32, 64, 4, 2, 1), (32, 32, 4, 3, 1),
+]
+MLP_ROWS = (32768, 16384, 4096)  # MiniLM 256 × 128, 128 × 128, 32 × 128
+MLP_CONFIGS_2 = [  # a second round (2026-12-06 14:55): 16 warps (96 accumulator registers a thread at 128 rows),
+    # warp specialisation of the loop, 16 intermediate columns a step with deeper pipelines; a 6th value 1: WS
+    (128, 32, 8, 2, 1), (128, 32, 16, 2, 1), (128, 32, 16, 2, 0), (128, 64, 16, 1, 1), (128, 16, 8, 4, 1),
+    (128, 16, 16, 4, 1), (128, 32, 8, 2, 1, 1), (128, 32, 16, 2, 1, 1), (64, 32, 8, 3, 1, 1), (64, 32, 4, 3, 1, 1),
+    (64, 32, 4, 3, 0), (64, 16, 4, 4, 0), (64, 16, 4, 4, 1),
+]
+
+
+def mlp(shape: dict[str, int], configs: list[tuple[int, ...]], rows_list: tuple[int, ...] = MLP_ROWS) -> dict[str, Any]:
+    """The encoder layer's MLP and output norm, LayerNorm(GELU(x Wu^T + bu) Wd^T + bd + x): as the engine runs it
+    (cuBLASLt's up product with GELU, cuBLAS's down product, Inductor's add + norm) against smelter's fused kernel
+    (fused_mlp) at each block shape, with and without the norm, at MLP_ROWS rows."""
+    h, inner = shape["hidden"], shape["inner"]
+    torch.manual_seed(0)
+    wu = (torch.randn(inner, h, device="cuda") / h ** 0.5).bfloat16()
+    bu = torch.randn(inner, device="cuda", dtype=torch.bfloat16) * 0.1
+    wd = (torch.randn(h, inner, device="cuda") / inner ** 0.5).bfloat16()
+    bd = torch.randn(h, device="cuda", dtype=torch.bfloat16) * 0.1
+    nw = (1 + 0.1 * torch.randn(h, device="cuda")).bfloat16()
+    nb = (0.1 * torch.randn(h, device="cuda")).bfloat16()
+    add_norm = torch.compile(lambda y, x: F.layer_norm(y + x, (h,), nw, nb, 1e-12))
+    out: dict[str, Any] = {}
+    for rows in rows_list:
+        x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+        ref = mlp_reference(x.float(), wu.float(), bu.float(), wd.float(), bd.float(), nw.float(), nb.float(), 1e-12)
+        flop = 4 * rows * h * inner
+
+        def engine() -> torch.Tensor:
+            up = torch._addmm_activation(bu, x, wu.t(), use_gelu=True)
+            return add_norm(F.linear(up, wd, bd), x)
+
+        up = torch._addmm_activation(bu, x, wu.t(), use_gelu=True)
+        down = F.linear(up, wd, bd)
+        row: dict[str, Any] = {
+            "tflop": round(flop / 1e12, 4),
+            "engine": {"ms": graphed_ms(engine), "rel_error": relative_error(engine(), ref)},
+            "parts_ms": {"up_gelu": graphed_ms(lambda: torch._addmm_activation(bu, x, wu.t(), use_gelu=True)),
+                         "down": graphed_ms(lambda: F.linear(up, wd, bd)),
+                         "add_norm": graphed_ms(lambda: add_norm(down, x))},
+            "reference_in_torch": {"ms": graphed_ms(lambda: mlp_reference(x, wu, bu, wd, bd, nw, nb, 1e-12))}}
+        row["engine"]["tflops"] = round(flop / row["engine"]["ms"] / 1e9, 1)
+        row["parts_ms"]["up_without_gelu"] = graphed_ms(lambda: F.linear(x, wu, bu))
+        buf = torch.empty(rows, h, device="cuda", dtype=torch.bfloat16)
+        for pieces in (2, 4, 8):  # the rows in pieces, each piece's 4x-wide intermediate small enough to stay in L2
+            step = rows // pieces
+
+            def chunked() -> torch.Tensor:
+                for r0 in range(0, rows, step):
+                    piece = torch._addmm_activation(bu, x[r0:r0 + step], wu.t(), use_gelu=True)
+                    torch.addmm(bd, piece, wd.t(), out=buf[r0:r0 + step])
+                return add_norm(buf, x)
+
+            row[f"engine_in_{pieces}_pieces"] = {"ms": graphed_ms(chunked), "rel_error": relative_error(chunked(), ref)}
+        best = None
+        for c in configs:
+            key = "x".join(map(str, c))
+            try:
+                poison = torch.full_like(x, float("nan"))  # freed: the output's allocation reuses it
+                del poison
+                before = compiled_kernels(_encoder_mlp_kernel)
+                out_ = fused_mlp(x, wu, bu, wd, bd, nw, nb, 1e-12, settings=c)
+                new = [k for i, k in compiled_kernels(_encoder_mlp_kernel).items() if i not in before]
+                entry = {"ms": graphed_ms(lambda: fused_mlp(x, wu, bu, wd, bd, nw, nb, 1e-12, settings=c)),
+                         "rel_error": relative_error(out_, ref), "written": bool(torch.isfinite(out_).all())}
+                entry["tflops"] = round(flop / entry["ms"] / 1e9, 1)
+                if new:
+                    entry["compiled"] = compiled_resources(new[0])
+                row[key] = entry
+                if entry["rel_error"] < 1e-2 and entry["written"] and (best is None or entry["ms"] < row[best]["ms"]):
+                    best = key
+            except Exception as e:  # a block shape this GPU cannot run says so
+                row[key] = f"{type(e).__name__}: {str(e)[:200]}"
+        row["best"] = best
+        if best:
+            c = tuple(int(v) for v in best.split("x"))
+            row["best_vs_engine"] = round(row["engine"]["ms"] / row[best]["ms"], 3)
+            row["best_without_norm"] = {
+                "ms": graphed_ms(lambda: fused_mlp(x, wu, bu, wd, bd, None, None, 1e-12, settings=c)),
+                "rel_error": relative_error(fused_mlp(x, wu, bu, wd, bd, None, None, 1e-12, settings=c),
+                                            mlp_reference(x.float(), wu.float(), bu.float(), wd.float(), bd.float(),
+                                                             None, None, 1e-12))}
+            # fresh inputs: the same function on other data
+            x2 = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16) * 2
+            row["best_fresh_rel_error"] = relative_error(
+                fused_mlp(x2, wu, bu, wd, bd, nw, nb, 1e-12, settings=c),
+                mlp_reference(x2.float(), wu.float(), bu.float(), wd.float(), bd.float(), nw.float(), nb.float(), 1e-12))
+        out[str(rows)] = row
+        print(f"  mlp {rows} rows: engine {row['engine']} parts {row['parts_ms']} best {best} {row.get(best)}", flush=True)
+        print("    " + " ".join(f"{k}={v['ms'] if isinstance(v, dict) else 'fail'}" for k, v in row.items()
+                                 if k[0].isdigit()), flush=True)
+        print("    " + json.dumps({k: v.get("compiled") for k, v in row.items() if k[0].isdigit() and isinstance(v, dict)}),
+              flush=True)
+    return out
+
+
+def compiled_kernels(kernel: Any) -> dict[int, Any]:
+    """The compiled variants of a Triton kernel in this process, by id."""
+    try:
+        return {id(c): c for caches in kernel.device_caches.values() for c in caches[0].values()}
+    except Exception:  # the fields differ between Triton versions
+        return {}
+
+
+def compiled_resources(compiled: Any) -> dict[str, Any]:
+    """Registers, spills, shared memory and the matrix instructions of one compiled Triton kernel."""
+    try:
+        compiled._init_handles()
+        ptx = compiled.asm.get("ptx", "")
+        meta = compiled.metadata
+        return {"num_warps": meta.num_warps, "num_stages": meta.num_stages, "shared": meta.shared,
+                "n_regs": compiled.n_regs, "n_spills": compiled.n_spills,
+                "ptx_wgmma": ptx.count("wgmma.mma_async"), "ptx_mma_sync": ptx.count("mma.sync"),
+                "ptx_local": ptx.count("ld.local") + ptx.count("st.local")}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def base_ops(path: Path) -> Any:
     """Another version of encoder_ops.py (its kernels and their launchers, not its torch ops), to time against."""
     import importlib.util
@@ -340,6 +592,10 @@ def main() -> None:
                     elif part == "norms":
                         section[part] = norms(shape)
                         print(f"  norms: {json.dumps(section[part])}", flush=True)
+                    elif part == "mlp":
+                        section[part] = mlp(shape, MLP_CONFIGS)
+                    elif part == "mlp2":  # the second round's block shapes at 256 × 128 alone
+                        section[part] = mlp(shape, MLP_CONFIGS_2, (32768,))
                     elif part == "attention":
                         section[part] = attention(shape, ATTENTION_CONFIGS if args.groups else [],
                                                   base_ops(args.base_ops) if args.base_ops else None)
