@@ -18,7 +18,7 @@ from tasks.config.spec import load
 from tasks.judge.mlflow_webhooks import PREFIX, verify_signature, wanted
 from tasks.judge.notify import sign
 from tests.fixtures.cli_runs import REPO
-from tests.fixtures.servers import _mlflow_cli, _stop, _wait_healthy, free_port
+from tests.fixtures.servers import _stop, start_mlflow_server
 
 
 def test_one_mlflow_webhook_per_distinct_url_and_secret(pipeline_factory, tiny_bert_dir, monkeypatch):
@@ -51,18 +51,9 @@ def test_mlflow_signature_checks_body_secret_and_age():
 @pytest.fixture(scope="module")
 def guarded_mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real `mlflow server` with MLflow's default webhook guard: https only, public hosts only."""
-    root = tmp_path_factory.mktemp("mlflow-guarded")
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_WEBHOOK_")}
-    env |= {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with open(root / "server.log", "wb") as log:
-        server = subprocess.Popen(
-            [_mlflow_cli(), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-             "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-             "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
+    server, uri = start_mlflow_server(tmp_path_factory.mktemp("mlflow-guarded"), env)
     try:
-        _wait_healthy(server, uri, root / "server.log")
         yield uri
     finally:
         _stop(server)

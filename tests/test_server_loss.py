@@ -22,7 +22,7 @@ import pytest
 
 from tests.fixtures.cli_runs import (REPO, CliSetup, _prefect_server, champion_version, cli_setup_own_server,
                                      copy_artifacts, empty_store)
-from tests.fixtures.servers import _mlflow_cli, _stop, _wait_healthy, free_port
+from tests.fixtures.servers import _stop, start_mlflow_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.waits]  # each waits out a lost server's retries
 __all__ = ["cli_setup_own_server"]
@@ -85,16 +85,8 @@ def mlflow_server_to_kill(cli_setup_own_server: CliSetup, tmp_path: Path) -> Ite
     its database is `tmp_path/mlflow-server/mlflow.db`, readable once the server is dead."""
     root = tmp_path / "mlflow-server"
     shutil.copytree(cli_setup_own_server.empty_store, root)
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    log_path = root / "server.log"
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(
-            [_mlflow_cli(), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-             "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
+    server, uri = start_mlflow_server(root)
     try:
-        _wait_healthy(server, uri, log_path)
         yield uri, server
     finally:
         _stop(server)
