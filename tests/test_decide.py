@@ -6,6 +6,8 @@ side by side); the rules themselves are plain functions of those, so every case 
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +299,12 @@ def test_a_budget_below_min_rounds_is_refused_by_validate() -> None:
     with pytest.raises(ValidationError, match="cannot fit 40 rounds"):
         PipelineSpec.model_validate(SPEC.model_dump() | {"benchmark": {"min_rounds": 40, "max_seconds": 1}})
     PipelineSpec.model_validate(SPEC.model_dump() | {"benchmark": {"min_rounds": 3, "max_seconds": 1}})
+    for rounds in range(1, 41):  # the least the message names is accepted, whatever its float rounding
+        with pytest.raises(ValidationError, match=r"give at least (\S+)") as refused:
+            PipelineSpec.model_validate(SPEC.model_dump() | {"benchmark": {"min_rounds": max(3, rounds),
+                                                                          "max_seconds": 0.001}})
+        least = float(re.search(r"give at least (\S+)", str(refused.value)).group(1))
+        PipelineSpec.model_validate(SPEC.model_dump() | {"benchmark": {"min_rounds": max(3, rounds), "max_seconds": least}})
 
 
 def test_a_contended_measurement_leaves_candidates_pending_and_the_champion_in_place() -> None:

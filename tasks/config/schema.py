@@ -170,9 +170,10 @@ class BenchmarkSpec(_Strict):
         """A round times two engines for a slot each (tasks/measure/rounds.py SLOT_MS, 25 ms): a gate-point budget too short
         for min_rounds (and MIN_ROUNDS) of them is a mistake. (Slower engines: the stage measures on and says so.)"""
         rounds = max(self.min_rounds, MIN_ROUNDS)
-        if self.max_seconds < rounds * 2 * 0.025:
+        least_ms = rounds * 2 * 25  # in whole milliseconds: the least it names is accepted (6 * 0.05 s is not 0.3)
+        if round(self.max_seconds * 1000, 6) < least_ms:
             raise ValueError(f"max_seconds {self.max_seconds:g} cannot fit {rounds} rounds (min_rounds; {MIN_ROUNDS} "
-                             f"for a 95% interval) of two engines at 25 ms each: give at least {rounds * 0.05:g}")
+                             f"for a 95% interval) of two engines at 25 ms each: give at least {least_ms / 1000:g}")
         return self
 
 
