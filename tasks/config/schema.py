@@ -34,6 +34,7 @@ from tasks.config.profiles import ProfileSpec
 from tasks.config.yaml_source import clip, shown
 from tasks.measure import capacity as _capacity
 from tasks.measure.hostload import CONTENDED_SHARE
+from tasks.measure.rounds import SLOT_MS
 from tasks.measure.stats import MIN_ROUNDS
 from tasks.runtime.redact import redacted_url
 
@@ -167,13 +168,14 @@ class BenchmarkSpec(_Strict):
 
     @model_validator(mode="after")
     def _budget_reaches_min_rounds(self) -> BenchmarkSpec:
-        """A round times two engines for a slot each (tasks/measure/rounds.py SLOT_MS, 25 ms): a gate-point budget too short
+        """A round times two engines for a slot each (SLOT_MS, 25 ms): a gate-point budget too short
         for min_rounds (and MIN_ROUNDS) of them is a mistake. (Slower engines: the stage measures on and says so.)"""
         rounds = max(self.min_rounds, MIN_ROUNDS)
-        least_ms = rounds * 2 * 25  # in whole milliseconds: the least it names is accepted (6 * 0.05 s is not 0.3)
+        least_ms = rounds * 2 * SLOT_MS  # in milliseconds: the least it names is accepted (6 * 0.05 s is not 0.3)
         if round(self.max_seconds * 1000, 6) < least_ms:
             raise ValueError(f"max_seconds {self.max_seconds:g} cannot fit {rounds} rounds (min_rounds; {MIN_ROUNDS} "
-                             f"for a 95% interval) of two engines at 25 ms each: give at least {least_ms / 1000:g}")
+                             f"for a 95% interval) of two engines at {SLOT_MS:g} ms each: give at least "
+                             f"{least_ms / 1000:g}")
         return self
 
 
