@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tasks.runtime import quiet_neighbours, stop_signals
+from tasks.runtime import collector, quiet_neighbours, stop_signals
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # what a shell reports for them
@@ -275,6 +275,7 @@ def _run(args: argparse.Namespace, specs: Any, selected: list[Any], server: Any)
                 progress.message(note)
             progress.message(f"smelter: {_count(len(selected), 'candidate')} in {_count(len(pipelines), 'pipeline')}"
                              + ("" if args.verbose else f"; library output in {log_path}"))
+            collector.loaded()  # what the run needs to start is loaded (tasks/runtime/collector.py)
             with server.serving():
                 ended = nightly_flow(
                     file=str(Path(args.file)), pipelines=pipelines, precisions=args.precision or None,
@@ -650,6 +651,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                   "an edit), or remove them first: prefect deployment delete <name>", file=sys.stderr)
             return EXIT_INVALID
         _say_silent_runs_crash(deploy.crash_silent_runs())
+        collector.loaded()  # this process runs the nightly flows from here on
         deploy.serve_schedules(plans)
         return EXIT_OK
     _say_silent_runs_crash(deploy.crash_silent_runs())
@@ -851,10 +853,13 @@ def _stopped(how: str, code: int, command: str | None) -> int:
 
 
 def entry() -> None:
-    """The `smelter` command: main's exit code. A run stopped by a signal ends here with that code (130 / 143).
+    """The `smelter` command: main's exit code. It loads with the cycle collector held off (tasks/runtime/
+    collector.py): `run` and `deploy`'s serving resume it before their flows, the commands that only read
+    and print keep it held to their end. A run stopped by a signal ends here with that code (130 / 143).
     Python itself would end such a process by SIGINT (exit -2, a traceback-less death a shell reads as killed)
     whenever a library ran code through PyRun_String while the first Ctrl-C was raised: that sets an interpreter
     flag nothing can clear. So after a stop the exit handlers run here and the process ends with its code."""
+    collector.hold()
     code = main()
     if _delivered:
         import atexit

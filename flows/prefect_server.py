@@ -48,15 +48,14 @@ def _free_port() -> int:
 
 
 def _start(port: int, log: object) -> subprocess.Popen:
-    import prefect
+    """Prefect's temporary server as Prefect starts it (its API only, in ephemeral mode), in the process
+    flows/temporary_server.py makes."""
     from prefect.settings import get_current_settings
 
     env = os.environ | get_current_settings().to_environment_variables(exclude_unset=True) | {
         "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
-         "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "error", "--lifespan", "on"],
+        [sys.executable, "-m", "flows.temporary_server", str(port)],
         env=env, preexec_fn=_die_with_parent, process_group=0, stdout=subprocess.DEVNULL, stderr=log)
 
 

@@ -29,6 +29,23 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 pytest_plugins = ["tests.fixtures.models", "tests.fixtures.servers", "tests.fixtures.fleet"]
 
 
+def pytest_collection(session: pytest.Session) -> None:
+    """A process that runs tests loads them with the cycle collector held off, as the `smelter` command loads
+    (tasks/runtime/collector.py), and freezes what they loaded: a pytest process keeps it all to the end, and
+    the collections its tests trigger then skip it (test_promote, test_inputs_families, test_spec and
+    test_decide in one process: 34-36 CPU-s against 44). pytest-xdist's controller collects nothing: its
+    own hook answers first, and this one does not run there."""
+    from tasks.runtime import collector
+
+    collector.hold()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    from tasks.runtime import collector
+
+    collector.loaded()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked `waits` go first. pytest-xdist gives the front of the list to one worker and steals from the
     back, so one worker waits out their clocks while the others keep the cores busy; last, one worker would wait

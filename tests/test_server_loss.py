@@ -161,7 +161,7 @@ def test_a_lost_temporary_prefect_server_ends_the_run_with_one_line_naming_it(
     env = {k: v for k, v in _env(setup, store).items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(home)}
     run = StartedRun(setup, artifacts, env)
     run.wait_for_line("export")
-    server = _child_running(run.process.pid, "prefect.server.api.server:create_app")
+    server = _child_running(run.process.pid, "flows.temporary_server")
     assert server is not None, "no temporary Prefect server under the run"
     os.kill(server, signal.SIGKILL)
 
