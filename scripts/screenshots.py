@@ -49,10 +49,16 @@ def _chromium_args(url: str, *extra: str) -> list[str]:
             f"--virtual-time-budget={PAGE_BUDGET_MS}", "--window-size=1440,1000", *extra, url]
 
 
-def page_dom(url: str) -> str:
-    """The page's DOM after its scripts ran."""
-    return subprocess.run(_chromium_args(url, "--dump-dom"), capture_output=True, text=True, timeout=180,
-                          check=True).stdout
+def page_dom(url: str, showing: str | None = None, tries: int = 3) -> str:
+    """The page's DOM after its scripts ran; with `showing` (a regular expression), read again in a new
+    Chromium, up to `tries` times, until the DOM has it: the run page renders an artifact's preview after
+    its own fetch, which a busy machine can leave unfinished when the page is dumped."""
+    for _ in range(tries if showing else 1):
+        dom = subprocess.run(_chromium_args(url, "--dump-dom"), capture_output=True, text=True, timeout=180,
+                             check=True).stdout
+        if showing is None or re.search(showing, dom):
+            break
+    return dom
 
 
 def page_text(dom: str) -> str:

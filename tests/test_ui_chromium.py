@@ -74,8 +74,9 @@ def test_the_printed_link_opens_the_experiment_on_its_runs(ui_run: dict[str, Any
 
 
 def test_the_parent_run_shows_the_summary_figure(ui_run: dict[str, Any]) -> None:
-    dom = screenshots.page_dom(ui_run["link"].replace("?", "/artifacts/summary.png?"))
-    assert re.search(r'<img[^>]+alt="summary.png"[^>]+src="blob:', dom), screenshots.page_text(dom)[:2000]
+    figure = r'<img[^>]+alt="summary.png"[^>]+src="blob:'
+    dom = screenshots.page_dom(ui_run["link"].replace("?", "/artifacts/summary.png?"), showing=figure)
+    assert re.search(figure, dom), screenshots.page_text(dom)[:2000]
 
 
 def test_a_child_run_says_its_status_and_why(ui_run: dict[str, Any]) -> None:
