@@ -61,6 +61,7 @@ benchmark: setup
 	$(BIN)/python benchmarks/decision_sensitivity.py
 	$(BIN)/python benchmarks/decision_stability.py
 	$(BIN)/python benchmarks/warm_rerun.py
+	$(BIN)/python benchmarks/process_start.py
 	$(BIN)/python benchmarks/int8_cpu_formats.py
 	$(BIN)/python benchmarks/promotion_overhead.py --pipeline minilm
 	$(BIN)/python benchmarks/fleet_roundtrip.py

@@ -11,7 +11,9 @@ import sys
 
 from tasks.runtime import collector
 
+
 def serve(port: int) -> None:
+    """Serve Prefect's API on loopback `port` until stopped (the parent's `_stop`, or its death)."""
     collector.hold()
     import uvicorn
     from prefect.server.api.server import create_app
