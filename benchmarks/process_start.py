@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.fixtures.servers import free_port  # noqa: E402 - the tests' helper, as benchmarks/fleet_roundtrip.py
 NOT_HELD = ("import sys; from tasks.runtime import collector; collector.hold = lambda: None; "
             "from flows.cli import entry; entry()")
 
@@ -38,12 +40,6 @@ def _children_cpu() -> float:
 def _process_cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spread(values: list[float]) -> str:
@@ -100,7 +96,7 @@ def _api_load(port: int) -> None:
 
 def servers(rounds: int, env: dict[str, str]) -> None:
     env = env | {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-    port = _free_port()
+    port = free_port()
     migrated = _server(_server_commands(port)["flows.temporary_server"], port, env)  # the database's first start
     migrated.terminate()
     migrated.wait()
@@ -109,7 +105,7 @@ def servers(rounds: int, env: dict[str, str]) -> None:
     for index in range(rounds):
         names = list(_server_commands(0))
         for name in names if index % 2 == 0 else names[::-1]:
-            port = _free_port()
+            port = free_port()
             process = _server(_server_commands(port)[name], port, env)
             to_health.setdefault(name, []).append(_process_cpu(process.pid))
             _api_load(port)
@@ -125,7 +121,7 @@ def servers(rounds: int, env: dict[str, str]) -> None:
 
 
 def warm_runs(pipeline: str, rounds: int, env: dict[str, str], tmp: Path) -> None:
-    port = _free_port()
+    port = free_port()
     server = _server([sys.executable, "-m", "flows.temporary_server", str(port)], port,
                      env | {"PREFECT_UI_ENABLED": "0"})
     env = env | {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db"}
